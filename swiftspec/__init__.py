@@ -1,0 +1,24 @@
+"""SwiftSpec: latency-first speculative decoding with concurrent draft and target groups.
+
+Public API::
+
+    from swiftspec import Engine, SamplingParams
+    with Engine() as engine:                       # the default Qwen2.5-Coder pair
+        out = engine.generate([{"role": "user", "content": "Write quicksort"}],
+                              SamplingParams(max_tokens=128))
+        print(out.text, out.metrics.compression_ratio)
+"""
+from swiftspec.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "SamplingParams", "WorkerError",
+           "EngineError", "TokenizerMismatchError"]
+
+
+def __getattr__(name):
+    # the engine pulls in transformers; keep `import swiftspec` light for workers and tools
+    if name in __all__:
+        from swiftspec import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

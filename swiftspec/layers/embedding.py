@@ -1,0 +1,48 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Rank r holds rows ``[r*Vp, (r+1)*Vp)`` of the ``[V, hidden]`` table, where ``Vp = ceil(V / tp)``;
+rows past ``V`` are zero padding so any TP degree works. The LM head computes local logits and
+all-gathers them; padded logits are cut off.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiftspec.parallel import LOCAL, TPContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``[n] int64 -> [n, hidden]``; each rank looks up its rows, the group all-reduces."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = LOCAL, dtype=torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.shard
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = max(0, min(self.shard, self.vocab_size - self.start))
+        param.data.zero_()
+        param.data[:n].copy_(loaded[self.start:self.start + n])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """``[n, hidden] -> [n, V]`` float32 logits; shares its table with the embedding when tied."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]

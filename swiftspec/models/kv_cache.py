@@ -1,0 +1,52 @@
+"""Static, position-indexed KV cache shared by the prefix cache and the tree cache.
+
+One buffer per model, ``[num_layers, 2, kv_heads_local, capacity, head_dim]``. Slots are plain
+indices: the caller (draft or target state) decides which slots hold the prefix cache (verified
+tokens, contiguous from slot 0) and which hold the tree cache (right after the prefix). Rejected
+entries are never rolled back: they are simply overwritten later (gpt-fast's static cache).
+Reorganizing after a re-root is :meth:`KVCache.move`, a gather into the same buffer (DESIGN.md §4).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer for ``capacity`` token slots.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape (``num_kv_heads`` local to this TP rank).
+        capacity: number of token slots.
+        dtype: storage dtype (the model's compute dtype).
+    Memory: ``2 * num_layers * num_kv_heads * capacity * head_dim * dtype.itemsize`` bytes.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.capacity = capacity
+        self.buf = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``."""
+        return self.buf[i, 0], self.buf[i, 1]
+
+    def move(self, src: list[int] | torch.Tensor, dst: list[int] | torch.Tensor) -> None:
+        """Copy slots ``src[j] -> dst[j]`` for every layer, keys and values.
+
+        Safe for any overlap: the source slots are gathered into a temporary before the scatter,
+        so a permutation with ``dst <= src`` (the re-root compaction) cannot read a slot it has
+        already overwritten.
+
+        Raises:
+            ValueError: lengths differ or a slot is out of range.
+        """
+        src = torch.as_tensor(src, dtype=torch.long)
+        dst = torch.as_tensor(dst, dtype=torch.long)
+        if src.shape != dst.shape:
+            raise ValueError(f"move: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0 or torch.equal(src, dst):
+            return
+        hi = int(torch.maximum(src.max(), dst.max()))
+        if hi >= self.capacity or int(torch.minimum(src.min(), dst.min())) < 0:
+            raise ValueError(f"move: slot out of range [0, {self.capacity})")
+        self.buf[:, :, :, dst] = self.buf[:, :, :, src]

@@ -1,0 +1,224 @@
+"""The decoding loops of the three modes, sharing every step function (DESIGN.md §3, §7).
+
+- ``async`` (SwiftSpec, Algorithm 1): the draft leader and the target leader run
+  :func:`run_async_draft` and :func:`run_async_target` in separate processes, exchanging only
+  the subgraph and the verified tokens once per iteration.
+- ``serial`` (SwiftSpec-base): :func:`run_serial`, draft then verify, in one group.
+- ``autoregressive``: :func:`run_autoregressive`, the target alone, one token per forward.
+
+Each loop reports verified tokens through ``emit(tokens, t)`` (``t`` = time.perf_counter(),
+comparable across processes on Linux) and returns its statistics. They are plain functions of
+the draft/target state objects and two message channels, so tests run them in one process.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from swiftspec.draft_state import DraftState
+from swiftspec.sampling import Sampler, SamplingParams
+from swiftspec.target_state import TargetState
+from swiftspec.tree import Subgraph
+
+STOP = "stop"
+
+
+class Channel(Protocol):
+    def send(self, obj) -> None: ...
+    def recv(self): ...
+    def poll(self, timeout: float = 0.0) -> bool: ...
+
+
+@dataclass
+class Request:
+    """What the engine sends to the leaders for one generation.
+
+    Attributes:
+        prompt_ids: prompt token ids.
+        params: sampling and stopping parameters.
+        max_new: token budget after clamping ``max_tokens`` to the context length.
+        eos_ids: tokens that end generation (unless ``params.ignore_eos``).
+        d: expansions per iteration (int) or None for the automatic choice.
+        trace: record per-iteration details (tests).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    eos_ids: tuple[int, ...] = ()
+    d: int | None = None
+    trace: bool = False
+
+
+class StopChecker:
+    """Decides how many newly verified tokens to keep and whether the request is finished.
+
+    EOS and the token budget are checked on ids; stop strings on the decoded text (``decode``
+    maps ids to text). The token that completes a stop string is kept; the engine cuts the text.
+    """
+
+    def __init__(self, req: Request, decode: Callable[[list[int]], str] | None = None):
+        self.req = req
+        self.decode = decode
+        self.ids: list[int] = []
+        self.reason: str | None = None
+
+    def push(self, new: list[int]) -> list[int]:
+        """Append ``new`` tokens; return the ones kept. Sets ``reason`` ("stop"/"length") when done."""
+        kept = []
+        for tok in new:
+            self.ids.append(tok)
+            kept.append(tok)
+            if not self.req.params.ignore_eos and tok in self.req.eos_ids:
+                self.reason = "stop"
+            elif self.req.params.stop and self.decode is not None and self._hit_stop_string():
+                self.reason = "stop"
+            elif len(self.ids) >= self.req.max_new:
+                self.reason = "length"
+            if self.reason:
+                break
+        return kept
+
+    def _hit_stop_string(self) -> bool:
+        tail = self.decode(self.ids[-64:])  # stop strings are short; decoding the tail keeps it O(1)
+        return any(s in tail for s in self.req.params.stop)
+
+    @property
+    def remaining(self) -> int:
+        return self.req.max_new - len(self.ids)
+
+
+@dataclass
+class TargetStats:
+    verifications: int = 0
+    accepted: list[int] = field(default_factory=list)
+    wait_s: float = 0.0  # time the target leader spent waiting for a subgraph
+    reason: str | None = None  # finish reason: "stop" or "length"
+    trace: list[dict] = field(default_factory=list)
+
+
+def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: StopChecker,
+                 emit, stats: TargetStats) -> list[int]:
+    res = target.verify(sg, sampler, stop.remaining)
+    kept = stop.push(res.tokens)
+    emit(kept, time.perf_counter())
+    stats.verifications += 1
+    stats.accepted.append(len(res.accepted))
+    if stop.req.trace:
+        stats.trace.append({"subgraph": sg, "accepted": list(res.accepted), "tokens": list(res.tokens)})
+    return res.tokens
+
+
+def _prefill_target(target: TargetState, req: Request, sampler: Sampler, stop: StopChecker, emit) -> int:
+    first = target.prefill(req.prompt_ids, sampler)
+    emit(stop.push([first]), time.perf_counter())
+    return first
+
+
+def run_autoregressive(target: TargetState, req: Request, emit, decode=None) -> TargetStats:
+    """Target alone: every forward verifies a one-node subgraph (the root) and emits one token."""
+    sampler, stop, stats = Sampler(req.params), StopChecker(req, decode), TargetStats()
+    _prefill_target(target, req, sampler, stop, emit)
+    while not stop.reason:
+        _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
+    stats.reason = stop.reason
+    return stats
+
+
+def run_serial(draft: DraftState, target: TargetState, req: Request, emit, decode=None) -> TargetStats:
+    """SwiftSpec-base: ``d`` expansions, then one verification, then re-root; one device group."""
+    d = req.d if req.d is not None else 3
+    sampler, stop, stats = Sampler(req.params), StopChecker(req, decode), TargetStats()
+    draft.prefill(req.prompt_ids)
+    first = _prefill_target(target, req, sampler, stop, emit)
+    if stop.reason:
+        stats.reason = stop.reason
+        return stats
+    draft.start(first)
+    while True:
+        for _ in range(d):
+            if draft.can_expand():
+                draft.expand()
+        draft.fill()
+        verified = _verify_step(target, draft.subgraph(), sampler, stop, emit, stats)
+        if stop.reason:
+            break
+        draft.reroot(verified)
+    stats.reason = stop.reason
+    return stats
+
+
+def run_async_target(target: TargetState, req: Request, to_draft: Channel, emit, decode=None) -> TargetStats:
+    """Target leader of Algorithm 1: receive subgraph, verify, send verified tokens (or STOP)."""
+    sampler, stop, stats = Sampler(req.params), StopChecker(req, decode), TargetStats()
+    verified = [_prefill_target(target, req, sampler, stop, emit)]
+    while not stop.reason:
+        to_draft.send((verified, time.perf_counter()))
+        t0 = time.perf_counter()
+        sg = to_draft.recv()
+        stats.wait_s += time.perf_counter() - t0
+        verified = _verify_step(target, sg, sampler, stop, emit, stats)
+    to_draft.send(STOP)
+    stats.reason = stop.reason
+    return stats
+
+
+@dataclass
+class DraftStats:
+    expansions: int = 0
+    stall_expansions: int = 0
+    wait_s: float = 0.0  # time the draft leader spent idle, waiting for verified tokens
+    misses: int = 0
+    reused_kv: int = 0
+    expansion_s: float = 0.0
+
+
+def run_async_draft(draft: DraftState, req: Request, to_target: Channel, max_d: int = 32) -> DraftStats:
+    """Draft leader of Algorithm 1.
+
+    Per iteration: expand ``d`` times while the target verifies (``req.d``; None = automatic:
+    keep expanding while one more expansion is predicted to finish before the verified tokens
+    arrive, from running averages of the target's cycle and the expansion time), receive the
+    verified tokens, re-root, expand until a full subgraph exists (stalls), send the subgraph.
+    """
+    stats = DraftStats()
+    draft.reset_counters()
+    draft.prefill(req.prompt_ids)
+    msg = to_target.recv()
+    if msg == STOP:
+        return stats
+    draft.start(msg[0][-1])
+    draft.fill()  # the first subgraph: the target waits for it whatever we do
+    cycle_ema = exp_ema = None
+    while True:
+        to_target.send(draft.subgraph())
+        t_sent = time.perf_counter()
+        n = 0
+        while n < (req.d if req.d is not None else max_d) and draft.can_expand():
+            if req.d is None:
+                if to_target.poll():
+                    break
+                if cycle_ema is not None and exp_ema is not None and \
+                        time.perf_counter() + exp_ema > t_sent + cycle_ema:
+                    break
+            t0 = time.perf_counter()
+            draft.expand()
+            dt = time.perf_counter() - t0
+            exp_ema = dt if exp_ema is None else 0.8 * exp_ema + 0.2 * dt
+            n += 1
+        t0 = time.perf_counter()
+        msg = to_target.recv()
+        stats.wait_s += time.perf_counter() - t0
+        if msg == STOP:
+            break
+        verified, t_verified = msg
+        cyc = t_verified - t_sent
+        cycle_ema = cyc if cycle_ema is None else 0.8 * cycle_ema + 0.2 * cyc
+        draft.reroot(verified)
+        stats.stall_expansions += draft.fill()
+    stats.expansions = draft.expansions
+    stats.misses = draft.misses
+    stats.reused_kv = draft.reused_kv
+    stats.expansion_s = draft.expansion_s
+    return stats

@@ -1,0 +1,80 @@
+"""The target side of one request: prefill, verification forward, walk and KV compaction.
+
+Verify and accept halves of the loop. Invariant (DESIGN.md §3): before each verification the
+target's prefix cache holds the KV of every verified token except the root, in slots
+``[0, L)``; the root was sampled, never run.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from swiftspec.runner import RunnerHandle
+from swiftspec.sampling import Sampler
+from swiftspec.tree import Subgraph
+from swiftspec.verify import VerifyResult, walk
+
+
+def ancestor_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
+    """Square tree mask over a subgraph plus the whole prefix.
+
+    Shapes: ``parents`` ``[bs]`` (parents first, root -1); returns ``[bs, prefix_len + bs]`` bool
+    where node i sees every prefix slot, its ancestors and itself.
+    """
+    bs = len(parents)
+    m = torch.zeros(bs, prefix_len + bs, dtype=torch.bool)
+    m[:, :prefix_len] = True
+    tree = m[:, prefix_len:]
+    for i, p in enumerate(parents):
+        tree[i, i] = True
+        if p >= 0:
+            tree[i] |= tree[p]
+    return m
+
+
+class TargetState:
+    """Target-model state for one request."""
+
+    def __init__(self, runner: RunnerHandle):
+        self.runner = runner
+        self.prefix_len = 0
+        self.root: int | None = None
+        self.verify_s = 0.0
+        self.verifications = 0
+
+    def prefill(self, prompt_ids: list[int], sampler: Sampler) -> int:
+        """Run the prompt and sample the first token (the first root)."""
+        n = len(prompt_ids)
+        pos = torch.arange(n)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        logits = self.runner.forward(torch.tensor(prompt_ids), pos, pos, mask, torch.tensor([n - 1]))
+        self.prefix_len = n
+        self.root = sampler.sample(logits[0])
+        self.verify_s, self.verifications = 0.0, 0
+        return self.root
+
+    def verify(self, sg: Subgraph, sampler: Sampler, max_new: int | None = None) -> VerifyResult:
+        """One target forward over the subgraph, the sampling walk, and KV compaction.
+
+        Raises:
+            ValueError: the subgraph's root is not the current root, or it would overflow the cache.
+        """
+        if sg.tokens[0] != self.root:
+            raise ValueError(f"subgraph root {sg.tokens[0]} is not the verified root {self.root}")
+        L, bs = self.prefix_len, len(sg)
+        if L + bs > self.runner.capacity:
+            raise ValueError("subgraph does not fit the target KV cache")
+        t0 = time.perf_counter()
+        slots = torch.arange(L, L + bs)
+        pos = torch.tensor(sg.depths) + L
+        logits = self.runner.forward(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
+                                     torch.arange(bs))
+        res = walk(sg.tokens, sg.parents, logits, sampler, max_new)
+        keep = [0] + res.accepted  # root + accepted nodes move to L .. L+k
+        self.runner.move_kv([L + i for i in keep], list(range(L, L + len(keep))))
+        self.prefix_len = L + len(keep)
+        self.root = res.bonus
+        self.verify_s += time.perf_counter() - t0
+        self.verifications += 1
+        return res

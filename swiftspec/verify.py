@@ -1,0 +1,60 @@
+"""The target's verification walk (DESIGN.md §3; SwiftSpec §3.1, Algorithm 1 target loop).
+
+Starting at the root, the target samples its own next token from its logits at the current node.
+If that token is a child of the node in the subgraph, the child is accepted and the walk goes on
+from it; the first sample that is not a child is the *bonus token*. Since every emitted token is
+the target's own sample given the verified prefix, the output is exactly the target's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swiftspec.sampling import Sampler
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification.
+
+    Attributes:
+        accepted: subgraph indices of the accepted nodes, in path order (root excluded).
+        tokens: the verified tokens: the accepted nodes' tokens followed by the bonus token.
+    """
+
+    accepted: list[int]
+    tokens: list[int]
+
+    @property
+    def bonus(self) -> int:
+        return self.tokens[-1]
+
+
+def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: Sampler,
+         max_new: int | None = None) -> VerifyResult:
+    """Walk the subgraph with the target's samples.
+
+    Args:
+        tokens: ``[bs]`` subgraph token ids, root first, parents before children.
+        parents: ``[bs]`` parent index of each node (-1 for the root).
+        logits: ``[bs, vocab]`` float32 target logits; row i predicts the token after node i.
+        sampler: the request's sampler.
+        max_new: stop after this many verified tokens (the request's remaining budget).
+    Returns:
+        :class:`VerifyResult` with ``1 <= len(tokens) <= bs`` verified tokens.
+    """
+    children: list[dict[int, int]] = [{} for _ in tokens]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children[p].setdefault(tokens[i], i)
+    limit = max_new if max_new is not None else len(tokens)
+    node, accepted, out = 0, [], []
+    while True:
+        tok = sampler.sample(logits[node])
+        out.append(tok)
+        child = children[node].get(tok)
+        if child is None or len(out) >= limit:
+            return VerifyResult(accepted, out)
+        accepted.append(child)
+        node = child

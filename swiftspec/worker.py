@@ -1,0 +1,151 @@
+"""Worker processes: one per TP rank of each device group (DESIGN.md §1, §8).
+
+A worker pins itself to its cores, joins the torch.distributed world when its group has more
+than one rank, loads its model shard(s), reports ``("ready", pid)`` to the engine, and then
+either leads its group (runs a decoding loop of :mod:`swiftspec.scheduler` per request) or follows
+its leader's mirrored model calls. Any exception is reported as ``("error", traceback)`` before
+the process exits, so the engine can raise it instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import torch
+
+from swiftspec.draft_state import DraftState, TreeParams
+
+ROLE_TARGET, ROLE_DRAFT = "target", "draft"
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, picklable for the ``spawn`` start method.
+
+    Attributes:
+        rank, world_size, port: torch.distributed world (port 0 = no world needed).
+        groups: TP groups as lists of global ranks (the same list in every worker).
+        group: index of this worker's group in ``groups``.
+        models: role -> model directory for the models this rank holds a shard of.
+        kind: this group's job: "target" (async target group), "draft" (async draft group),
+            "serial" (both models) or "autoregressive" (target only).
+        cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
+        dtype: "float32" or "bfloat16".
+        max_model_len: context length in tokens; tree: draft tree parameters.
+        vocab_limit: highest token id + 1 that both models share (draft proposals are cut to it).
+    """
+
+    rank: int
+    world_size: int
+    port: int
+    groups: list[list[int]]
+    group: int
+    models: dict[str, str]
+    kind: str
+    cores: list[int] | None = None
+    threads: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    tree: TreeParams = field(default_factory=TreeParams)
+    vocab_limit: int | None = None
+    tokenizer_file: str | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.groups[self.group][0]
+
+
+def _capacity(spec: WorkerSpec, role: str) -> int:
+    if role == ROLE_TARGET:
+        return spec.max_model_len + spec.tree.bs
+    return spec.max_model_len + spec.tree.max_cached + spec.tree.w
+
+
+def _setup(spec: WorkerSpec):
+    from swiftspec.parallel import LOCAL, init_world
+    from swiftspec.runner import ModelRunner
+
+    if spec.cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, spec.cores)
+    torch.set_num_threads(spec.threads)
+    tp = LOCAL
+    if spec.port:
+        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups)[spec.group]
+    dtype = getattr(torch, spec.dtype)
+    return {role: ModelRunner(path, tp, dtype, _capacity(spec, role)) for role, path in spec.models.items()}
+
+
+def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
+                leader: Connection | None, peer: Connection | None) -> None:
+    """Process entry point (see the module docstring)."""
+    try:
+        runners = _setup(spec)
+        engine.send(("ready", os.getpid()))
+        if spec.is_leader:
+            _lead(spec, runners, engine, followers, peer)
+        else:
+            from swiftspec.runner import serve_follower
+            serve_follower(runners, leader)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+    except BaseException:
+        try:
+            engine.send(("error", f"{spec.kind} worker rank {spec.rank}: {traceback.format_exc()}"))
+        except Exception:
+            pass
+        raise SystemExit(1)
+
+
+def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connection],
+          peer: Connection | None) -> None:
+    from swiftspec import scheduler
+    from swiftspec.runner import RunnerHandle
+    from swiftspec.target_state import TargetState
+
+    handles = {role: RunnerHandle(role, r, followers) for role, r in runners.items()}
+    target = TargetState(handles[ROLE_TARGET]) if ROLE_TARGET in handles else None
+    draft = None
+    if ROLE_DRAFT in handles:
+        draft = DraftState(handles[ROLE_DRAFT], spec.tree, spec.vocab_limit)
+    decode = _decoder(spec.tokenizer_file) if target is not None else None
+
+    def emit(tokens, t):
+        engine.send(("tokens", tokens, t))
+
+    try:
+        while True:
+            msg = engine.recv()
+            if msg[0] == "shutdown":
+                return
+            req = msg[1]
+            for r in runners.values():
+                r.reset_stats()
+            if draft is not None:
+                draft.debug = req.trace
+            if spec.kind == "autoregressive":
+                st = scheduler.run_autoregressive(target, req, emit, decode)
+            elif spec.kind == "serial":
+                st = scheduler.run_serial(draft, target, req, emit, decode)
+            elif spec.kind == ROLE_TARGET:
+                st = scheduler.run_async_target(target, req, peer, emit, decode)
+            else:
+                st = scheduler.run_async_draft(draft, req, peer)
+            engine.send(("done", spec.kind, st, {role: r.stats() for role, r in runners.items()}))
+    finally:
+        for c in followers:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+
+
+def _decoder(tokenizer_file: str | None):
+    """ids -> text with the target's tokenizer (for stop strings), or None without one."""
+    if not tokenizer_file or not os.path.exists(tokenizer_file):
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)

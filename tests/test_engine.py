@@ -1,0 +1,129 @@
+"""The engine end to end with worker processes, on tiny models: modes, TP, streaming, errors."""
+import os
+import signal
+import time
+
+import pytest
+
+from swiftspec import Engine, SamplingParams, TokenizerMismatchError, WorkerError
+from swiftspec.loader import ModelLoadError
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+PROMPT = "hello world, this is a test"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32") as eng:
+        out = eng.generate(PROMPT, GREEDY)
+    assert out.metrics.compression_ratio == 1.0 and len(out.token_ids) == 24
+    return out
+
+
+@pytest.mark.parametrize("mode", ["async", "serial"])
+def test_modes_equal_autoregressive(tiny_dir, tiny_draft_dir, reference, mode):
+    with Engine(tiny_dir, tiny_draft_dir, mode=mode, dtype="float32") as eng:
+        out = eng.generate(PROMPT, GREEDY)
+        pids = eng.pids
+    assert out.token_ids == reference.token_ids and out.text == reference.text
+    m = out.metrics
+    assert m.mode == mode and m.num_tokens == 24 and m.compression_ratio >= 1.0
+    assert m.verifications == sum(m.accepted_hist.values())
+    assert m.ttft_s > 0 and m.tokens_per_s > 0 and m.tbt_p50_s <= m.tbt_p99_s
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "close() must leave no process behind"
+
+
+def test_tensor_parallel_equals_tp1(tiny_dir, tiny_draft_dir, reference):
+    """TP = 2 in both groups (4 processes over gloo) gives the TP = 1 greedy output."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32", target_tp=2) as eng:
+        assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+    with Engine(tiny_dir, tiny_draft_dir, mode="serial", dtype="float32", target_tp=2) as eng:
+        assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+
+
+def test_stream_stop_strings_and_chat(tiny_dir, tiny_draft_dir, reference):
+    with Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32") as eng:
+        chunks = list(eng.stream(PROMPT, GREEDY))
+        assert chunks[-1].finished and "".join(c.text for c in chunks) == reference.text
+        assert len(chunks) > 2
+        stop = reference.text[5:7]
+        out = eng.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))
+        assert out.finish_reason == "stop" and out.text == reference.text[:reference.text.find(stop)]
+        chat = eng.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(chat.token_ids) == 4
+        sampled = [eng.generate(PROMPT, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16,
+                                                       ignore_eos=True)).token_ids for _ in range(2)]
+        assert sampled[0] == sampled[1], "a seed makes sampling reproducible"
+
+
+def test_bad_inputs(tiny_dir, tiny_draft_dir, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Engine(tmp_path / "nope", tiny_draft_dir)
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0),
+                dict(seed=-1), dict(stop=[""])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="mode"):
+        Engine(tiny_dir, tiny_draft_dir, mode="fast")
+    with Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32", max_model_len=32) as eng:
+        with pytest.raises(ValueError, match="context"):
+            eng.generate("x" * 40)
+        out = eng.generate("x" * 20, SamplingParams(max_tokens=100, ignore_eos=True))
+        assert out.finish_reason == "length" and len(out.token_ids) == 12  # clamped to the context
+
+
+def test_mismatched_tokenizers(tiny_dir, tmp_path):
+    from conftest import build_tiny_model
+    from transformers import AutoTokenizer
+
+    other = build_tiny_model(tmp_path / "other", "qwen2", seed=3)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(TokenizerMismatchError):
+        Engine(tiny_dir, other, dtype="float32")
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_worker_raises_quickly(tiny_dir, tiny_draft_dir, victim):
+    eng = Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32")
+    pids = eng.pids
+    os.kill(pids[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="died"):
+        eng.generate(PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True))
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.3)
+    assert not any(_alive(p) for p in pids)
+    eng.close()  # idempotent
+
+
+def test_worker_killed_mid_generation(tiny_dir, tiny_draft_dir):
+    eng = Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32", max_model_len=2048)
+    pids = eng.pids
+    it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+    next(it)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.3)
+    assert not any(_alive(p) for p in pids)

@@ -1,0 +1,185 @@
+"""The decoding loops in one process: losslessness, full acceptance, no KV recomputation, and the
+sampled distribution (DESIGN.md §3; the three checks of the developers' guide)."""
+import threading
+from collections import Counter
+from multiprocessing import Pipe
+
+import pytest
+import torch
+
+from swiftspec import scheduler
+from swiftspec.draft_state import DraftState, TreeParams
+from swiftspec.runner import ModelRunner, RunnerHandle
+from swiftspec.sampling import Sampler, SamplingParams
+from swiftspec.scheduler import Request
+from swiftspec.target_state import TargetState
+from swiftspec.tree import DraftTree
+
+PROMPT = [3, 40, 41, 42, 50, 60, 70, 33, 34, 35]
+
+
+def _target(model_dir):
+    return TargetState(RunnerHandle("target", ModelRunner(str(model_dir), capacity=512), []))
+
+
+def _draft(model_dir, **kw):
+    return DraftState(RunnerHandle("draft", ModelRunner(str(model_dir), capacity=1024), []), TreeParams(**kw))
+
+
+def _collect():
+    out = []
+    return out, (lambda toks, t: out.extend(toks))
+
+
+def _req(n=40, params=None, d=None, trace=False):
+    return Request(PROMPT, params or SamplingParams(max_tokens=n, ignore_eos=True), n, (2,), d, trace)
+
+
+def run_async_threads(draft, target, req):
+    """Both async loops, each in its own thread, over a real pipe."""
+    a, b = Pipe()
+    out, emit = _collect()
+    res = {}
+    th = threading.Thread(target=lambda: res.setdefault("draft", scheduler.run_async_draft(draft, req, b)))
+    th.start()
+    res["target"] = scheduler.run_async_target(target, req, a, emit)
+    th.join(timeout=60)
+    assert not th.is_alive()
+    return out, res["target"], res["draft"]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_dir):
+    out, emit = _collect()
+    st = scheduler.run_autoregressive(_target(tiny_dir), _req(), emit)
+    assert st.accepted == [0] * 39 and len(out) == 40
+    return out
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_serial_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_reference, d):
+    out, emit = _collect()
+    draft = _draft(tiny_draft_dir)
+    draft.debug = True
+    st = scheduler.run_serial(draft, _target(tiny_dir), _req(d=d), emit)
+    assert out == greedy_reference
+    assert sum(st.accepted) > 0, "a near-copy draft should get some tokens accepted"
+
+
+@pytest.mark.parametrize("d", [None, 1, 3])
+def test_async_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_reference, d):
+    draft = _draft(tiny_draft_dir)
+    draft.debug = True
+    out, tst, dst = run_async_threads(draft, _target(tiny_dir), _req(d=d))
+    assert out == greedy_reference
+    assert dst.expansions > 0 and tst.verifications == len(tst.accepted)
+
+
+def _greedy_chain(sg):
+    """Length of the chain of most probable children (by draft weight) inside the subgraph."""
+    node, n = 0, 0
+    while True:
+        kids = [i for i, p in enumerate(sg.parents) if p == node]
+        if not kids:
+            return n
+        node = max(kids, key=lambda i: sg.weights[i])
+        n += 1
+
+
+@pytest.mark.parametrize("mode", ["serial", "async"])
+def test_identical_draft_accepts_whole_greedy_chain(tiny_dir, greedy_reference, mode):
+    target, draft = _target(tiny_dir), _draft(tiny_dir)
+    req = _req(trace=True, d=3)
+    if mode == "serial":
+        out, emit = _collect()
+        st = scheduler.run_serial(draft, target, req, emit)
+    else:
+        out, st, _ = run_async_threads(draft, target, req)
+    assert out == greedy_reference
+    budget_cut = len(st.trace) - 1  # the last verification may be cut by max_tokens
+    for i, it in enumerate(st.trace[:budget_cut]):
+        assert len(it["accepted"]) == _greedy_chain(it["subgraph"]), f"iteration {i}"
+    # the root's most probable child is the heaviest node, so it is always sent and accepted
+    assert min(st.accepted[:budget_cut]) >= 1
+
+
+def test_no_surviving_kv_is_recomputed(tiny_dir, tiny_draft_dir, monkeypatch):
+    """Every draft KV entry is computed for a distinct context (prompt + path): nothing twice."""
+    seq = list(PROMPT)
+    computed = Counter()
+    orig = DraftTree.plan_expansion
+
+    def plan(self, width):
+        exp = orig(self, width)
+        if exp.catch_up:
+            for p in exp.positions.tolist():
+                computed[tuple(seq[:p + 1])] += 1
+        else:
+            root_ctx = tuple(seq[:self.root_position + 1])
+            for nid in exp.nodes:
+                path = []
+                while nid != self.root:
+                    path.append(self.nodes[nid].token)
+                    nid = self.nodes[nid].parent
+                computed[root_ctx + tuple(reversed(path))] += 1
+        return exp
+
+    monkeypatch.setattr(DraftTree, "plan_expansion", plan)
+    draft = _draft(tiny_draft_dir)
+    forward_tokens = []
+    real_forward = draft.runner.runner.forward
+
+    def counting_forward(ids, *a):
+        forward_tokens.append(int(ids.numel()))
+        return real_forward(ids, *a)
+
+    monkeypatch.setattr(draft.runner.runner, "forward", counting_forward)
+    emit = lambda toks, t: seq.extend(toks)  # noqa: E731
+    scheduler.run_serial(draft, _target(tiny_dir), _req(n=60, d=2), emit)
+    assert computed and max(computed.values()) == 1
+    # every token the draft ran is either the prompt or one of those distinct contexts
+    assert sum(forward_tokens) == len(PROMPT) + sum(computed.values())
+    assert draft.reused_kv > 0
+
+
+def test_sampled_output_follows_target_distribution(tiny_dir):
+    """Joint distribution of the first three tokens (t0 from prefill, t1 and t2 from one
+    verification walk) against the exact target distribution: chi-square test."""
+    from scipy.stats import chisquare
+
+    from swiftspec.models import load_model
+
+    params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    model = load_model(tiny_dir)
+
+    def dist(ids):
+        kv = model.make_kv_cache(64)
+        n = len(ids)
+        pos = torch.arange(n)
+        h = model(torch.tensor(ids), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), kv)
+        return Sampler(SamplingParams(**params)).probs(model.compute_logits(h[-1:])[0])
+
+    exact = {}
+    p0 = dist(PROMPT)
+    for a in p0.nonzero().flatten().tolist():
+        p1 = dist(PROMPT + [a])
+        for b in p1.nonzero().flatten().tolist():
+            p2 = dist(PROMPT + [a, b])
+            for c in p2.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
+    target, draft = _target(tiny_dir), _draft(tiny_dir, w=2, topk=2, bs=4)
+    n = 1500
+    counts = Counter()
+    accepted_any = 0
+    for seed in range(n):
+        out, emit = _collect()
+        st = scheduler.run_serial(draft, target, Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1), emit)
+        counts[tuple(out)] += 1
+        accepted_any += sum(st.accepted) > 0
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    obs = [counts[k] for k in keys]
+    total = sum(exact.values())  # 1 up to float rounding; chisquare wants equal sums
+    exp = [exact[k] / total * n for k in keys]
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert accepted_any > n // 4, "the walk must descend into the tree, not only sample bonus tokens"
