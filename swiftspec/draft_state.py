@@ -46,10 +46,9 @@ class DraftState:
     Counters (``expansions``, ``stall_expansions``, ``reused_kv``, ``misses``) feed the metrics.
     """
 
-    def __init__(self, runner: RunnerHandle, params: TreeParams, vocab_limit: int | None = None):
+    def __init__(self, runner: RunnerHandle, params: TreeParams):
         self.runner = runner
         self.params = params
-        self.vocab_limit = vocab_limit  # ids the target also knows; the draft never proposes others
         self.tree: DraftTree | None = None
         self.prompt_len = 0
         self.debug = False
@@ -84,8 +83,6 @@ class DraftState:
         t0 = time.perf_counter()
         exp = self.tree.plan_expansion(self.params.w)
         logits = self.runner.forward(exp.input_ids, exp.positions, exp.slots, exp.mask, exp.logits_rows)
-        if self.vocab_limit is not None:
-            logits = logits[:, :self.vocab_limit]
         self.tree.add_children(exp, torch.log_softmax(logits, dim=-1), self.params.topk)
         self.expansions += 1
         self.expansion_s += time.perf_counter() - t0

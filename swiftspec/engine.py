@@ -8,9 +8,11 @@ stops every worker.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -88,6 +90,11 @@ class EngineConfig:
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`).
         d: expansions per iteration; None = automatic in async, 3 in serial.
         max_model_len: context length in tokens (prompt + generation).
+        draft_quant: "int8" (default) or "none": weight-only quantization of the draft. The
+            target checks every token, so this changes speed, never the output.
+        draft_vocab: the draft proposes only the first ``draft_vocab`` token ids (BPE vocabularies
+            put frequent merges first; FR-Spec's observation); None = the whole vocabulary shared
+            with the target. Like ``draft_quant`` it changes speed, never the output.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
@@ -104,6 +111,8 @@ class EngineConfig:
     max_cached: int = 256
     d: int | None = None
     max_model_len: int = 4096
+    draft_quant: str = "int8"
+    draft_vocab: int | None = 32768
     start_timeout_s: float = 600.0
 
     def __post_init__(self):
@@ -115,6 +124,10 @@ class EngineConfig:
             raise ValueError(f"d must be a positive integer or None, got {self.d!r}")
         if self.target_tp < 1 or self.draft_tp < 1:
             raise ValueError("TP degrees must be >= 1")
+        if self.draft_quant not in ("int8", "none"):
+            raise ValueError(f"draft_quant must be int8 or none, got {self.draft_quant!r}")
+        if self.draft_vocab is not None and self.draft_vocab < 2:
+            raise ValueError("draft_vocab must be at least 2")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         self.tree_params()  # validates bs, w, ...
@@ -267,7 +280,9 @@ class Engine:
                 spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
                                   kind=kind, cores=per_rank[j], threads=len(per_rank[j]), dtype=dtype,
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
-                                  vocab_limit=self.vocab_limit, tokenizer_file=tok_file)
+                                  draft_vocab=min(self.vocab_limit, self.config.draft_vocab or self.vocab_limit),
+                                  draft_quant=None if self.config.draft_quant == "none" else self.config.draft_quant,
+                                  tokenizer_file=tok_file)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]
@@ -278,7 +293,8 @@ class Engine:
                     followers, leader, peer = [], follower_pipes[j - 1][1], None
                 p = ctx.Process(target=worker_main, args=(spec, child, followers, leader, peer),
                                 name=f"swiftspec-{kind}-{j}", daemon=True)
-                p.start()
+                with _main_module_hidden():
+                    p.start()
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)
@@ -472,6 +488,25 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start workers without re-running the caller's script.
+
+    The ``spawn`` start method re-imports ``__main__`` in every child, which runs a user's
+    top-level ``Engine(...)`` again (and fails without an ``if __name__ == "__main__"`` guard).
+    Workers need nothing from the caller's script, so hide its path while the child starts.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    try:
+        for k in saved:
+            setattr(main, k, None)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
 
 
 def _shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:

@@ -23,11 +23,19 @@ class ModelRunner:
         tp: this rank's TP context.
         dtype: compute dtype.
         capacity: KV-cache slots (tokens).
+        quant: "int8" for int8 weight-only linear layers (draft models), None for none.
+        logits_vocab: compute logits for ids ``[0, logits_vocab)`` only (None: all).
     """
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
-                 capacity: int = 4096):
-        self.model = load_model(model_dir, tp, dtype, max_positions=capacity)
+                 capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None):
+        # tree nodes sit up to one tree depth past the cache slots they are stored in
+        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024)
+        if quant == "int8":
+            self.model.quantize_int8_()
+        elif quant not in (None, "none"):
+            raise ValueError(f"unknown quantization {quant!r}; use 'int8' or None")
+        self.logits_vocab = logits_vocab
         self.cfg = self.model.cfg
         self.kv = self.model.make_kv_cache(capacity)
         self.capacity = capacity
@@ -43,7 +51,7 @@ class ModelRunner:
         h = self.model(input_ids, positions, slots, mask, self.kv)
         out = None
         if logits_rows is not None and logits_rows.numel():
-            out = self.model.compute_logits(h[logits_rows])
+            out = self.model.compute_logits(h[logits_rows], self.logits_vocab)
         self.busy_s += time.perf_counter() - t0
         self.forward_tokens += int(input_ids.numel())
         self.forwards += 1

@@ -174,13 +174,29 @@ class DraftStats:
     expansion_s: float = 0.0
 
 
+def worth_expanding(now: float, arrival: float, exp_s: float, cycle_s: float, tokens_per_iter: float) -> bool:
+    """Automatic ``d``: is one more expansion worth delaying the next iteration for?
+
+    An expansion that ends by the predicted ``arrival`` of the verified tokens is free. One that
+    ends later delays the next iteration by its overrun ``o`` but adds about one tree level,
+    which the target accepts with probability ``a ~= 1 - 1/c`` (``c`` = verified tokens per
+    iteration so far). Tokens per second ``c / T`` improve when ``a / c > o / T``. This is the
+    paper's "d = r or r + 1" rule (§3.1) decided online from measured times.
+    """
+    overrun = now + exp_s - max(arrival, now)
+    if overrun <= 0:
+        return True
+    c = max(tokens_per_iter, 1.0)
+    return overrun * c < cycle_s * (1.0 - 1.0 / c)
+
+
 def run_async_draft(draft: DraftState, req: Request, to_target: Channel, max_d: int = 32) -> DraftStats:
     """Draft leader of Algorithm 1.
 
-    Per iteration: expand ``d`` times while the target verifies (``req.d``; None = automatic:
-    keep expanding while one more expansion is predicted to finish before the verified tokens
-    arrive, from running averages of the target's cycle and the expansion time), receive the
-    verified tokens, re-root, expand until a full subgraph exists (stalls), send the subgraph.
+    Per iteration: expand ``d`` times while the target verifies (``req.d``; None = automatic,
+    see :func:`worth_expanding`, from running averages of the target's cycle, the expansion time
+    and the verified tokens per iteration), receive the verified tokens, re-root, expand until a
+    full subgraph exists (stalls), send the subgraph.
     """
     stats = DraftStats()
     draft.reset_counters()
@@ -191,6 +207,7 @@ def run_async_draft(draft: DraftState, req: Request, to_target: Channel, max_d: 
     draft.start(msg[0][-1])
     draft.fill()  # the first subgraph: the target waits for it whatever we do
     cycle_ema = exp_ema = None
+    tokens_ema = 1.0
     while True:
         to_target.send(draft.subgraph())
         t_sent = time.perf_counter()
@@ -199,8 +216,8 @@ def run_async_draft(draft: DraftState, req: Request, to_target: Channel, max_d: 
             if req.d is None:
                 if to_target.poll():
                     break
-                if cycle_ema is not None and exp_ema is not None and \
-                        time.perf_counter() + exp_ema > t_sent + cycle_ema:
+                if cycle_ema is not None and exp_ema is not None and not worth_expanding(
+                        time.perf_counter(), t_sent + cycle_ema, exp_ema, cycle_ema, tokens_ema):
                     break
             t0 = time.perf_counter()
             draft.expand()
@@ -215,6 +232,7 @@ def run_async_draft(draft: DraftState, req: Request, to_target: Channel, max_d: 
         verified, t_verified = msg
         cyc = t_verified - t_sent
         cycle_ema = cyc if cycle_ema is None else 0.8 * cycle_ema + 0.2 * cyc
+        tokens_ema = 0.8 * tokens_ema + 0.2 * len(verified)
         draft.reroot(verified)
         stats.stall_expansions += draft.fill()
     stats.expansions = draft.expansions

@@ -34,7 +34,9 @@ class WorkerSpec:
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         dtype: "float32" or "bfloat16".
         max_model_len: context length in tokens; tree: draft tree parameters.
-        vocab_limit: highest token id + 1 that both models share (draft proposals are cut to it).
+        draft_vocab: the draft proposes only ids ``[0, draft_vocab)`` (ids the target knows too,
+            optionally fewer: the most frequent ones).
+        draft_quant: "int8" or None: weight-only quantization of the draft model.
     """
 
     rank: int
@@ -49,7 +51,8 @@ class WorkerSpec:
     dtype: str = "float32"
     max_model_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
-    vocab_limit: int | None = None
+    draft_vocab: int | None = None
+    draft_quant: str | None = None
     tokenizer_file: str | None = None
 
     @property
@@ -74,7 +77,11 @@ def _setup(spec: WorkerSpec):
     if spec.port:
         tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups)[spec.group]
     dtype = getattr(torch, spec.dtype)
-    return {role: ModelRunner(path, tp, dtype, _capacity(spec, role)) for role, path in spec.models.items()}
+    runners = {}
+    for role, path in spec.models.items():
+        extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
+        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), **extra)
+    return runners
 
 
 def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
@@ -108,7 +115,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
     target = TargetState(handles[ROLE_TARGET]) if ROLE_TARGET in handles else None
     draft = None
     if ROLE_DRAFT in handles:
-        draft = DraftState(handles[ROLE_DRAFT], spec.tree, spec.vocab_limit)
+        draft = DraftState(handles[ROLE_DRAFT], spec.tree)
     decode = _decoder(spec.tokenizer_file) if target is not None else None
 
     def emit(tokens, t):

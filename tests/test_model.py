@@ -72,3 +72,37 @@ def test_bf16_close_to_fp32(tiny_dir):
     f32, _, _ = _our_logits(tiny_dir, ids)
     b16, _, _ = _our_logits(tiny_dir, ids, torch.bfloat16)
     assert (f32 - b16).abs().max() / f32.abs().max() < 0.05
+
+
+def test_int8_linear_matches_reference():
+    from swiftspec.layers.quant import int8_linear, int8_linear_reference, quantize_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 80)
+    w[3] = 0  # an all-zero row must not divide by zero
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and (q.abs() <= 127).all()
+    assert ((q.float() * s[:, None]) - w).abs().max() <= s.max() / 2 + 1e-6
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 80, dtype=dtype)
+        ref = int8_linear_reference(x, q, s.to(dtype))
+        out = int8_linear(x, q, s.to(dtype))
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        assert (out.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
+def test_int8_draft_and_vocab_limit(tiny_dir):
+    """A quantized draft stays close to the float model; a vocab limit returns the first ids' logits."""
+    ids = [5, 17, 33, 2, 90]
+    full, m, _ = _our_logits(tiny_dir, ids)
+    n = len(ids)
+    pos = torch.arange(n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    h = m(torch.tensor(ids), pos, pos, mask, m.make_kv_cache(64))
+    assert torch.equal(m.compute_logits(h, vocab_limit=50), m.compute_logits(h)[:, :50])
+    m.quantize_int8_()
+    hq = m(torch.tensor(ids), pos, pos, mask, m.make_kv_cache(64))
+    q = m.compute_logits(hq)
+    assert q.shape == full.shape
+    assert (q - full).abs().max() / full.abs().max() < 0.05
+    assert (q.argmax(-1) == full.argmax(-1)).float().mean() >= 0.8

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swiftspec.layers.quant import int8_linear, quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
 
@@ -41,8 +42,30 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """``[n, hidden] -> [n, V]`` float32 logits; shares its table with the embedding when tied."""
+    """``[n, hidden] -> [n, V]`` float32 logits; shares its table with the embedding when tied.
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight).float()
-        return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
+    ``limit`` computes only the logits of ids ``[0, limit)`` (a draft restricted to the most
+    frequent tokens, FR-Spec style: BPE vocabularies put frequent merges first), which cuts the
+    LM head's weight traffic by ``V / limit``.
+    """
+
+    def quantize_int8_(self, keep_float: bool) -> None:
+        """Int8 weight-only LM head; ``keep_float`` keeps the float table (tied embeddings)."""
+        q, scales = quantize_int8(self.weight.data)
+        if not keep_float:
+            del self.weight
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
+
+    def forward(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        v = self.vocab_size if limit is None else min(limit, self.vocab_size)
+        n_local = max(0, min(self.shard, v - self.start))
+        if hasattr(self, "qweight"):
+            logits = int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
+        else:
+            logits = F.linear(h, self.weight[:n_local]).float()
+        if self.tp.size == 1:
+            return logits
+        if n_local < self.shard:  # equal shapes for the all-gather; padded ids are cut below
+            logits = F.pad(logits, (0, self.shard - n_local), value=float("-inf"))
+        return self.tp.all_gather_last_dim(logits)[:, :v]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swiftspec.layers.quant import int8_linear, quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
 
@@ -37,6 +38,23 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def quantize_int8_(self) -> None:
+        """Replace the weight by int8 values plus per-row scales (weight-only quantization)."""
+        q, scales = quantize_int8(self.weight.data)
+        del self.weight
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` with whichever weight this layer holds (no bias, no communication)."""
+        if hasattr(self, "qweight"):
+            return int8_linear(x, self.qweight, self.scales)
+        return F.linear(x, self.weight)
+
+    def forward(self, x):
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
@@ -46,9 +64,6 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         param.data.copy_(loaded)
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -60,9 +75,6 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -122,5 +134,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x):
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

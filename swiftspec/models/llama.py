@@ -133,9 +133,19 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[m, hidden] -> [m, vocab]`` float32 logits (all-gathered over the TP group)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
+        """``[m, hidden] -> [m, vocab]`` float32 logits (all-gathered over the TP group);
+        with ``vocab_limit`` only ids ``[0, vocab_limit)``."""
+        return self.lm_head(hidden, vocab_limit)
+
+    def quantize_int8_(self) -> None:
+        """Int8 weight-only quantization of every linear layer and the LM head (draft models)."""
+        from swiftspec.layers.linear import LinearBase
+
+        for mod in self.modules():
+            if isinstance(mod, LinearBase):
+                mod.quantize_int8_()
+        self.lm_head.quantize_int8_(keep_float=self.cfg.tie_word_embeddings)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into this rank's shards.

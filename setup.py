@@ -1,0 +1,15 @@
+"""SwiftSpec package. The C++/CUDA kernels (csrc/) are built only where their toolchains exist."""
+from setuptools import find_packages, setup
+
+setup(
+    name="swiftspec",
+    version="0.1.0",
+    description="Latency-first speculative decoding with concurrent draft and target groups",
+    packages=find_packages(include=["swiftspec", "swiftspec.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned here: install the build for your machine first (CPU: torch==2.13.0).
+    install_requires=["torch>=2.5", "numpy", "safetensors", "tokenizers>=0.19", "transformers>=4.45", "gguf>=0.10",
+                      "jinja2", "tqdm"],
+    extras_require={"test": ["pytest", "scipy"]},
+    entry_points={"console_scripts": ["swiftspec=swiftspec.cli:main"]},
+)

@@ -1,0 +1,115 @@
+"""Command line: ``swiftspec generate`` (and the model cache helper ``swiftspec fetch``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model: Hugging Face directory or GGUF file (default: the "
+                                     "Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
+    p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
+    p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
+    p.add_argument("--mode", choices=["async", "serial", "autoregressive"], default=None,
+                   help="async = SwiftSpec (default), serial = SwiftSpec-base, autoregressive = target only")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default=None,
+                   help="weights and compute (auto: bfloat16 where the CPU has native bf16)")
+    p.add_argument("--target-cores", type=_int_list, help="comma-separated CPU cores of the target group")
+    p.add_argument("--draft-cores", type=_int_list, help="comma-separated CPU cores of the draft group")
+    p.add_argument("--target-tp", type=int, help="TP degree (processes) of the target group")
+    p.add_argument("--draft-tp", type=int, help="TP degree (processes) of the draft group")
+    p.add_argument("--bs", type=int, help="subgraph size sent to the target (default 8)")
+    p.add_argument("--w", type=int, help="leaves per draft expansion (default 8)")
+    p.add_argument("--d", type=int, help="expansions per iteration (default: automatic in async, 3 in serial)")
+    p.add_argument("--max-model-len", type=int, help="context length in tokens (default 4096)")
+    p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ["mode", "dtype", "target_cores", "draft_cores", "target_tp", "draft_tp", "bs", "w", "d", "max_model_len"]
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def make_engine(args: argparse.Namespace):
+    from swiftspec.engine import Engine
+
+    return Engine(args.target, args.draft, config=args.config, cache_dir=args.cache_dir, **engine_kwargs(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swiftspec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    with make_engine(args) as engine:
+        if args.json:
+            out = engine.generate(prompt, params, chat=not args.no_chat)
+            print(json.dumps(out.to_dict()))
+            return 0
+        out = None
+        for chunk in engine.stream(prompt, params, chat=not args.no_chat):
+            print(chunk.text, end="", flush=True)
+            out = chunk.output or out
+        m = out.metrics
+        print(f"\n\n[{m.mode}] {m.num_tokens} tokens, {m.tokens_per_s:.1f} tokens/s decode, "
+              f"TTFT {m.ttft_s:.2f} s, compression ratio {m.compression_ratio:.2f}", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from swiftspec.loader import fetch_default_pair
+
+    target, draft = fetch_default_pair(args.cache_dir)
+    print(json.dumps({"target": str(target), "draft": str(draft)}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swiftspec", description="Latency-first speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("--prompt", help="the user message (read from stdin when omitted)")
+    g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    f = sub.add_parser("fetch", help="download, check and convert the default model pair into the cache")
+    f.add_argument("--cache-dir")
+    f.set_defaults(func=cmd_fetch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from swiftspec.engine import EngineError
+    from swiftspec.loader import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ValueError, ModelLoadError, EngineError, FileNotFoundError) as e:
+        print(f"swiftspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
