@@ -10,6 +10,10 @@ setup(
     # torch is not pinned here: install the build for your machine first (CPU: torch==2.13.0).
     install_requires=["torch>=2.5", "numpy", "safetensors", "tokenizers>=0.19", "transformers>=4.45", "gguf>=0.10",
                       "jinja2", "tqdm"],
-    extras_require={"test": ["pytest", "scipy"]},
+    extras_require={
+        "test": ["pytest", "scipy", "matplotlib"],
+        # llama-cpp-python builds llama.cpp from source (several minutes); only the peer benchmark needs it
+        "bench": ["matplotlib", "llama-cpp-python"],
+    },
     entry_points={"console_scripts": ["swiftspec=swiftspec.cli:main"]},
 )

@@ -65,6 +65,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from swiftspec.benchmark.e2e import main as bench_main
+
+    return bench_main(args=args)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from swiftspec.benchmark.profile import main as profile_main
+
+    return profile_main(args=args)
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from swiftspec.loader import fetch_default_pair
 
@@ -90,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="end-to-end benchmark against peers on the evaluation prompt sets")
+    from swiftspec.benchmark.e2e import build_parser as bench_parser
+
+    bench_parser(b)
+    b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="measure candidate configurations and write the fastest as JSON")
+    from swiftspec.benchmark.profile import build_parser as profile_parser
+
+    profile_parser(pr)
+    pr.set_defaults(func=cmd_profile)
 
     f = sub.add_parser("fetch", help="download, check and convert the default model pair into the cache")
     f.add_argument("--cache-dir")

@@ -77,6 +77,17 @@ class StreamChunk:
 
 
 @dataclass
+class _Collected:
+    """What one request has produced so far (engine side)."""
+
+    events: list[tuple[float, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    done: dict[str, tuple] = field(default_factory=dict)
+    expect_done: set[str] = field(default_factory=set)
+    text: str = ""
+
+
+@dataclass
 class EngineConfig:
     """How the engine lays out its groups (every field has a sensible default).
 
@@ -158,8 +169,12 @@ def _available_cores() -> list[int]:
 
 
 def _split(cores: list[int], parts: int) -> list[list[int]]:
+    """Split cores evenly among ``parts`` processes; with fewer cores than processes, processes
+    share cores round-robin (correct, but slower: for tests and experiments)."""
+    if not cores:
+        raise EngineError("no CPU cores given")
     if len(cores) < parts:
-        raise EngineError(f"{parts} processes need at least {parts} cores, got {len(cores)}")
+        return [[cores[p % len(cores)]] for p in range(parts)]
     k, r = divmod(len(cores), parts)
     out, i = [], 0
     for p in range(parts):
@@ -419,46 +434,65 @@ class Engine:
         yield from self._collect(req, t_start)
 
     def _collect(self, req: Request, t_start: float) -> Iterator[StreamChunk]:
-        expect_done = set(self._leader_conns)
-        events: list[tuple[float, int]] = []
-        tokens: list[int] = []
-        done: dict[str, tuple] = {}
-        text = ""
+        st = _Collected()
         conns = list(self._leader_conns.values())
-        while expect_done:
-            ready = wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
-            if not ready:
-                continue
-            for conn in conns:
-                while conn.poll():
-                    msg = self._recv(conn)
-                    if msg[0] == "tokens":
-                        _, new, t = msg
-                        events.append((t, len(new)))
-                        tokens += new
-                        new_text = self._text(tokens, req.params.stop)
-                        if new_text.startswith(text) and len(new_text) > len(text):
-                            yield StreamChunk(new_text[len(text):], new)
-                            text = new_text
-                    elif msg[0] == "done":
-                        done[msg[1]] = msg[2:]
-                        expect_done.discard(msg[1])
-            self._check_alive()
-        stats, runner_stats = done[next(k for k in done if k != ROLE_DRAFT)]
+        try:
+            yield from self._receive(req, st, conns)
+        finally:
+            if st.expect_done and not self._closed:  # the caller stopped reading the stream
+                self._cancel(st.expect_done, conns)
+        stats, runner_stats = st.done[next(k for k in st.done if k != ROLE_DRAFT)]
         draft = {}
-        if ROLE_DRAFT in done:
-            dstats, druns = done[ROLE_DRAFT]
+        if ROLE_DRAFT in st.done:
+            dstats, druns = st.done[ROLE_DRAFT]
             draft = {**dstats.__dict__, **druns[ROLE_DRAFT]}
         elif ROLE_DRAFT in runner_stats:
             draft = dict(runner_stats[ROLE_DRAFT])
         target = {"wait_s": stats.wait_s, **runner_stats[ROLE_TARGET]}
         if req.trace:
             target["trace"] = stats.trace
-        metrics = RequestMetrics.from_events(self.config.mode, len(req.prompt_ids), t_start, events, stats.accepted,
-                                             stats.reason, target, draft)
-        final = self._text(tokens, req.params.stop)
-        out = GenerationOutput(final, tokens, stats.reason, metrics)
-        yield StreamChunk(final[len(text):] if final.startswith(text) else "", [], True, out)
+        metrics = RequestMetrics.from_events(self.config.mode, len(req.prompt_ids), t_start, st.events,
+                                             stats.accepted, stats.reason, target, draft)
+        final = self._text(st.tokens, req.params.stop)
+        out = GenerationOutput(final, st.tokens, stats.reason, metrics)
+        yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", [], True, out)
+
+    def _receive(self, req: Request, st: "_Collected", conns: list[Connection]) -> Iterator[StreamChunk]:
+        st.expect_done = set(self._leader_conns)
+        while st.expect_done:
+            if not wait(conns + [p.sentinel for p in self._procs], timeout=1.0):
+                continue
+            for conn in conns:
+                while conn.poll():
+                    msg = self._recv(conn)
+                    if msg[0] == "tokens":
+                        _, new, t = msg
+                        st.events.append((t, len(new)))
+                        st.tokens += new
+                        text = self._text(st.tokens, req.params.stop)
+                        if text.startswith(st.text) and len(text) > len(st.text):
+                            delta, st.text = text[len(st.text):], text
+                            yield StreamChunk(delta, new)
+                    elif msg[0] == "done":
+                        st.done[msg[1]] = msg[2:]
+                        st.expect_done.discard(msg[1])
+            self._check_alive()
+
+    def _cancel(self, expect_done: set[str], conns: list[Connection]) -> None:
+        """Stop the running request and drain its messages, so the next request starts clean."""
+        lead = self._leader_conns.get(ROLE_TARGET) or self._leader_conns[self.config.mode]
+        lead.send(("cancel",))
+        deadline = time.monotonic() + 30.0
+        while expect_done and time.monotonic() < deadline:
+            wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
+            for conn in conns:
+                while conn.poll():
+                    msg = self._recv(conn)
+                    if msg[0] == "done":
+                        expect_done.discard(msg[1])
+            self._check_alive()
+        if expect_done:
+            self._fail("workers did not acknowledge a cancelled request within 30 s")
 
     def _text(self, ids: list[int], stop: tuple[str, ...]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

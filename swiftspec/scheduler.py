@@ -56,11 +56,14 @@ class StopChecker:
 
     EOS and the token budget are checked on ids; stop strings on the decoded text (``decode``
     maps ids to text). The token that completes a stop string is kept; the engine cuts the text.
+    ``cancelled()`` is polled once per verification: the engine's client stopped listening.
     """
 
-    def __init__(self, req: Request, decode: Callable[[list[int]], str] | None = None):
+    def __init__(self, req: Request, decode: Callable[[list[int]], str] | None = None,
+                 cancelled: Callable[[], bool] | None = None):
         self.req = req
         self.decode = decode
+        self.cancelled = cancelled
         self.ids: list[int] = []
         self.reason: str | None = None
 
@@ -78,6 +81,8 @@ class StopChecker:
                 self.reason = "length"
             if self.reason:
                 break
+        if not self.reason and self.cancelled is not None and self.cancelled():
+            self.reason = "cancelled"
         return kept
 
     def _hit_stop_string(self) -> bool:
@@ -94,7 +99,7 @@ class TargetStats:
     verifications: int = 0
     accepted: list[int] = field(default_factory=list)
     wait_s: float = 0.0  # time the target leader spent waiting for a subgraph
-    reason: str | None = None  # finish reason: "stop" or "length"
+    reason: str | None = None  # finish reason: "stop", "length" or "cancelled"
     trace: list[dict] = field(default_factory=list)
 
 
@@ -116,9 +121,9 @@ def _prefill_target(target: TargetState, req: Request, sampler: Sampler, stop: S
     return first
 
 
-def run_autoregressive(target: TargetState, req: Request, emit, decode=None) -> TargetStats:
+def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecker | None = None) -> TargetStats:
     """Target alone: every forward verifies a one-node subgraph (the root) and emits one token."""
-    sampler, stop, stats = Sampler(req.params), StopChecker(req, decode), TargetStats()
+    sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     _prefill_target(target, req, sampler, stop, emit)
     while not stop.reason:
         _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
@@ -126,10 +131,11 @@ def run_autoregressive(target: TargetState, req: Request, emit, decode=None) -> 
     return stats
 
 
-def run_serial(draft: DraftState, target: TargetState, req: Request, emit, decode=None) -> TargetStats:
+def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
+               stop: StopChecker | None = None) -> TargetStats:
     """SwiftSpec-base: ``d`` expansions, then one verification, then re-root; one device group."""
     d = req.d if req.d is not None else 3
-    sampler, stop, stats = Sampler(req.params), StopChecker(req, decode), TargetStats()
+    sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     draft.prefill(req.prompt_ids)
     first = _prefill_target(target, req, sampler, stop, emit)
     if stop.reason:
@@ -149,9 +155,10 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit, decod
     return stats
 
 
-def run_async_target(target: TargetState, req: Request, to_draft: Channel, emit, decode=None) -> TargetStats:
+def run_async_target(target: TargetState, req: Request, to_draft: Channel, emit,
+                     stop: StopChecker | None = None) -> TargetStats:
     """Target leader of Algorithm 1: receive subgraph, verify, send verified tokens (or STOP)."""
-    sampler, stop, stats = Sampler(req.params), StopChecker(req, decode), TargetStats()
+    sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     verified = [_prefill_target(target, req, sampler, stop, emit)]
     while not stop.reason:
         to_draft.send((verified, time.perf_counter()))

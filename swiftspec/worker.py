@@ -126,17 +126,21 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
             msg = engine.recv()
             if msg[0] == "shutdown":
                 return
+            if msg[0] == "cancel":  # arrived after its request had finished
+                continue
             req = msg[1]
             for r in runners.values():
                 r.reset_stats()
             if draft is not None:
                 draft.debug = req.trace
+            # mid-request, the only message the engine sends is a cancel
+            stop = scheduler.StopChecker(req, decode, cancelled=engine.poll)
             if spec.kind == "autoregressive":
-                st = scheduler.run_autoregressive(target, req, emit, decode)
+                st = scheduler.run_autoregressive(target, req, emit, stop)
             elif spec.kind == "serial":
-                st = scheduler.run_serial(draft, target, req, emit, decode)
+                st = scheduler.run_serial(draft, target, req, emit, stop)
             elif spec.kind == ROLE_TARGET:
-                st = scheduler.run_async_target(target, req, peer, emit, decode)
+                st = scheduler.run_async_target(target, req, peer, emit, stop)
             else:
                 st = scheduler.run_async_draft(draft, req, peer)
             engine.send(("done", spec.kind, st, {role: r.stats() for role, r in runners.items()}))

@@ -55,6 +55,10 @@ def test_tensor_parallel_equals_tp1(tiny_dir, tiny_draft_dir, reference):
         assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
     with Engine(tiny_dir, tiny_draft_dir, mode="serial", dtype="float32", target_tp=2) as eng:
         assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+    # TP = 3 does not divide the tiny model's 4 query / 2 KV heads: zero-padded heads (processes share cores)
+    with Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32", target_cores=[0], draft_cores=[1],
+                target_tp=3, draft_tp=1) as eng:
+        assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
 
 
 def test_stream_stop_strings_and_chat(tiny_dir, tiny_draft_dir, reference):
@@ -127,3 +131,14 @@ def test_worker_killed_mid_generation(tiny_dir, tiny_draft_dir):
     assert time.monotonic() - t0 < 10
     time.sleep(0.3)
     assert not any(_alive(p) for p in pids)
+
+
+def test_abandoned_stream_is_cancelled(tiny_dir, tiny_draft_dir, reference):
+    """A caller that stops reading a stream cancels the request; the next one is unaffected."""
+    with Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32", max_model_len=2048) as eng:
+        it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+        next(it)
+        t0 = time.monotonic()
+        it.close()
+        assert time.monotonic() - t0 < 10
+        assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids

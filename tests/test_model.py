@@ -79,6 +79,11 @@ def test_int8_linear_matches_reference():
 
     torch.manual_seed(0)
     w = torch.randn(96, 80)
+    odd = torch.randn(70, 34)  # input features not a multiple of 16: the reference path
+    qo, so = quantize_int8(odd)
+    xo = torch.randn(3, 34, dtype=torch.bfloat16)
+    assert torch.allclose(int8_linear(xo, qo, so.bfloat16()).float(),
+                          int8_linear_reference(xo, qo, so.bfloat16()).float())
     w[3] = 0  # an all-zero row must not divide by zero
     q, s = quantize_int8(w)
     assert q.dtype == torch.int8 and (q.abs() <= 127).all()
@@ -87,7 +92,7 @@ def test_int8_linear_matches_reference():
         x = torch.randn(7, 80, dtype=dtype)
         ref = int8_linear_reference(x, q, s.to(dtype))
         out = int8_linear(x, q, s.to(dtype))
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        tol = 5e-2  # fp32 activations run through the bf16 kernel (see int8_linear)
         assert (out.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
 
 

@@ -1,9 +1,16 @@
-"""Megatron-style tensor-parallel linear layers.
+"""Megatron-style tensor-parallel linear layers, for any TP degree.
 
 Column-parallel layers split the output features across the TP group (no communication);
 row-parallel layers split the input features and all-reduce the partial sums. Each parameter
 carries a ``weight_loader(param, full_tensor, shard_id=None)`` that slices the full checkpoint
 tensor for this rank, so the model never needs to know how it is sharded (nano-vllm's layout).
+
+When a dimension is not divisible by the TP degree it is zero-padded (§4 of the paper): every
+rank holds ``ceil(n / tp)`` features and the ones past ``n`` have zero weights (and zero bias).
+Padded gate/up rows give ``SiLU(0) * 0 = 0`` and meet zero columns of the row-parallel down
+projection, so the all-reduced output equals the unpadded model's. Attention heads follow
+:func:`gqa_head_layout`. With divisible dimensions nothing is padded and the layout is plain
+Megatron's.
 """
 from __future__ import annotations
 
@@ -14,11 +21,94 @@ from torch import nn
 from swiftspec.layers.quant import int8_linear, quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
+PAD = -1  # global index of a padded (all-zero) feature or head
 
-def _divide(n: int, k: int, what: str) -> int:
-    if n % k:
-        raise ValueError(f"{what} ({n}) is not divisible by the TP degree ({k})")
-    return n // k
+
+def _even_index(n: int, tp: TPContext) -> torch.Tensor:
+    """Global feature held at each of this rank's ``ceil(n / tp)`` local positions (PAD past n)."""
+    per = -(-n // tp.size)
+    idx = torch.arange(tp.rank * per, (tp.rank + 1) * per)
+    return idx.masked_fill(idx >= n, PAD)
+
+
+def _heads_to_features(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[h]`` head indices -> ``[h * head_dim]`` feature indices (PAD stays PAD)."""
+    f = heads[:, None] * head_dim + torch.arange(head_dim)
+    return f.masked_fill(heads[:, None] < 0, PAD).reshape(-1)
+
+
+def _copy_shard(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, dim: int) -> None:
+    """``dst[..i..] = src[..index[i]..]`` along ``dim``, zero where ``index`` is PAD."""
+    n = index.numel()
+    start = int(index[0])
+    if start >= 0 and torch.equal(index, torch.arange(start, start + n)):
+        dst.copy_(src.narrow(dim, start, n))  # the unpadded Megatron case: one contiguous slice
+        return
+    dst.zero_()
+    keep = (index >= 0).nonzero().squeeze(1)
+    if keep.numel():
+        dst.index_copy_(dim, keep, src.index_select(dim, index[keep]))
+
+
+def gqa_head_layout(num_heads: int, num_kv_heads: int, tp_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which query and key/value heads each TP rank holds, for any TP degree.
+
+    Every rank holds ``kv_local`` *units*; a unit is one KV head plus ``g_local`` of the query
+    heads that share it (its group of ``g = num_heads / num_kv_heads``). Each group is cut into
+    ``ceil(g / g_local)`` units, the last one padded with zero query heads; the units are dealt
+    out in order, ``kv_local`` per rank, and the list is padded with all-zero units. Every rank
+    thus has the same ``num_heads_local = kv_local * g_local`` and a uniform GQA group size,
+    which is what ``scaled_dot_product_attention(enable_gqa=True)`` needs; a KV head cut into
+    several units is replicated (computed on several ranks, or twice on one rank). ``g_local``
+    is the value in ``[1, g]`` (a divisor of ``g`` or not) that minimizes the per-rank weight
+    bytes, ``num_heads_local + kv_local`` head projections, since the slowest rank sets the step
+    time (ties: fewer KV heads, for a smaller KV cache; then larger units).
+    Divisible head counts give plain Megatron (``g_local = g``, contiguous heads, no padding).
+
+    A padded query head has zero q weights and bias, so it attends uniformly and yields a finite
+    value that meets zero o_proj input columns: it adds exactly 0 after the all-reduce. A padded
+    unit's KV head has zero k/v weights as well.
+
+    Example, 12 query heads / 2 KV heads (g = 6)::
+
+        tp=3: g_local=2, kv_local=2 -> 4 query heads per rank, none padded
+              rank 0: kv [0, 0]  q [0 1 | 2 3]
+              rank 1: kv [0, 1]  q [4 5 | 6 7]
+              rank 2: kv [1, 1]  q [8 9 | 10 11]
+        tp=5: g_local=3, kv_local=1 -> 3 query heads per rank
+              ranks 0-3: kv [0], [0], [1], [1]; q [0 1 2], [3 4 5], [6 7 8], [9 10 11]
+              rank 4: one padded unit (all zero)
+
+    Returns:
+        ``(q_heads, kv_heads)``: int64 ``[tp_size, num_heads_local]`` and
+        ``[tp_size, kv_local]``, global head indices with PAD (-1) for padding.
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``num_kv_heads``.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"attention heads ({num_heads}) not a multiple of key/value heads ({num_kv_heads})")
+    g = num_heads // num_kv_heads
+
+    def cost(g_local):
+        units = num_kv_heads * -(-g // g_local)
+        kv_local = -(-units // tp_size)
+        return kv_local * g_local + kv_local, kv_local, -g_local
+
+    g_local = min(range(1, g + 1), key=cost)
+    kv_local = cost(g_local)[1]
+    q_units, kv_units = [], []
+    for kv in range(num_kv_heads):
+        for lo in range(0, g, g_local):
+            q = list(range(kv * g + lo, kv * g + min(lo + g_local, g)))
+            q_units.append(q + [PAD] * (g_local - len(q)))
+            kv_units.append(kv)
+    for _ in range(tp_size * kv_local - len(kv_units)):
+        q_units.append([PAD] * g_local)
+        kv_units.append(PAD)
+    q_heads = torch.tensor(q_units).view(tp_size, kv_local * g_local)
+    kv_heads = torch.tensor(kv_units).view(tp_size, kv_local)
+    return q_heads, kv_heads
 
 
 class LinearBase(nn.Module):
@@ -67,71 +157,107 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split over ranks: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``."""
+    """Output features split over ranks: ``[n, in] -> [n, ceil(out / tp)]``.
+
+    Rank r holds rows ``[r*p, (r+1)*p)`` with ``p = ceil(out / tp)``; rows past ``out`` are zero
+    (weight and bias), so their outputs are 0.
+    """
 
     def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32):
-        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp, dtype)
+        self.out_index = _even_index(out_features, tp)
+        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+        _copy_shard(param.data, loaded, self.out_index, 0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one weight (e.g. gate and up).
 
-    ``output_sizes`` are the full (unsharded) sizes; each rank stores its slice of every part,
-    concatenated: ``[part0_local | part1_local | ...]``. ``shard_id`` is the part index.
+    ``output_sizes`` are the full (unsharded) sizes; each rank stores its padded slice of every
+    part, concatenated: ``[part0_local | part1_local | ...]`` with ``part_local = ceil(size / tp)``.
+    ``shard_id`` is the part index.
     """
 
     def __init__(self, in_features, output_sizes: list[int], bias=False, tp: TPContext = LOCAL,
                  dtype=torch.float32):
-        self.output_sizes = [_divide(o, tp.size, "output features") for o in output_sizes]
-        super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
+        self.part_index = [_even_index(o, tp) for o in output_sizes]
+        self.output_sizes = [i.numel() for i in self.part_index]
+        LinearBase.__init__(self, in_features, sum(self.output_sizes), bias, tp, dtype)
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = self.output_sizes[shard_id]
         off = sum(self.output_sizes[:shard_id])
-        param.data.narrow(0, off, n).copy_(loaded.narrow(0, self.tp.rank * n, n))
+        _copy_shard(param.data.narrow(0, off, n), loaded, self.part_index[shard_id], 0)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection split by attention heads (GQA aware).
+    """Fused q/k/v projection split by attention heads (GQA aware, any TP degree).
 
-    Rank r holds query heads ``[r*H/tp, (r+1)*H/tp)`` and the matching key/value heads.
-    ``shard_id`` is one of ``"q"``, ``"k"``, ``"v"``.
+    ``[n, hidden] -> [n, (num_heads + 2 * num_kv_heads) * head_dim]`` with the *local* head
+    counts ``num_heads`` / ``num_kv_heads`` of :func:`gqa_head_layout`; ``q_heads`` /
+    ``kv_heads`` are this rank's global head indices (PAD = -1: zero weights and bias). Local
+    query head ``i`` uses local KV head ``i // (num_heads // num_kv_heads)``. ``shard_id`` is one
+    of ``"q"``, ``"k"``, ``"v"``. Divisible head counts give Megatron's contiguous slices.
     """
 
     def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp: TPContext = LOCAL,
                  dtype=torch.float32):
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp.size, "attention heads")
-        self.num_kv_heads = _divide(num_kv_heads, tp.size, "key/value heads")
-        out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias, tp, dtype)
+        q_heads, kv_heads = gqa_head_layout(num_heads, num_kv_heads, tp.size)
+        self.q_heads, self.kv_heads = q_heads[tp.rank], kv_heads[tp.rank]
+        self.num_heads, self.num_kv_heads = self.q_heads.numel(), self.kv_heads.numel()
+        self.q_index = _heads_to_features(self.q_heads, head_dim)
+        self.kv_index = _heads_to_features(self.kv_heads, head_dim)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, tp, dtype)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        off, n = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        param.data.narrow(0, off, n).copy_(loaded.narrow(0, self.tp.rank * n, n))
+        q = self.q_index.numel()
+        kv = self.kv_index.numel()
+        off, n, index = {"q": (0, q, self.q_index), "k": (q, kv, self.kv_index),
+                         "v": (q + kv, kv, self.kv_index)}[shard_id]
+        _copy_shard(param.data.narrow(0, off, n), loaded, index, 0)
 
 
 class RowParallelLinear(LinearBase):
     """Input features split over ranks; the partial products are all-reduced.
 
-    The bias (if any) is added once, after the reduction, so the result equals the unsharded layer.
+    ``[n, in_local] -> [n, out]``. Rank r holds columns ``[r*p, (r+1)*p)``, ``p = ceil(in / tp)``,
+    or, with ``in_index``, the global input feature given for each local column (PAD: a zero
+    column, e.g. the padded heads of :class:`QKVParallelLinear` feeding o_proj). Zero columns
+    make the padded inputs contribute exactly 0 as long as they are finite. The bias (if any) is
+    added once, after the reduction, so the result equals the unsharded layer.
+
+    Int8 quantization uses the per-row scales of the *whole* row (remembered at load time), so a
+    quantized layer gives the same values at every TP degree.
     """
 
-    def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32):
-        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp, dtype)
+    def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32,
+                 in_index: torch.Tensor | None = None):
+        self.in_index = _even_index(in_features, tp) if in_index is None else in_index
+        self.row_absmax: torch.Tensor | None = None
+        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: not sharded
             param.data.copy_(loaded)
             return
-        n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+        _copy_shard(param.data, loaded, self.in_index, 1)
+        if self.tp.size > 1:  # a rank sees only part of each row; quantize_int8_ needs all of it
+            self.row_absmax = torch.linalg.vector_norm(loaded, float("inf"), dim=1)
+
+    def quantize_int8_(self) -> None:
+        if self.row_absmax is None:
+            return super().quantize_int8_()
+        # A column holding each row's global |max| makes quantize_int8 pick the scales the
+        # unsharded row gets (max is exact), so q and scales equal the TP = 1 slices bit for bit.
+        w = self.weight.data
+        q, scales = quantize_int8(torch.cat([w, self.row_absmax.to(w.device, w.dtype)[:, None]], dim=1))
+        del self.weight
+        self.register_buffer("qweight", q[:, :-1].contiguous())
+        self.register_buffer("scales", scales)
+        self.row_absmax = None
 
     def forward(self, x):
         y = self.tp.all_reduce(self.matmul(x))

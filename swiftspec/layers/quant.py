@@ -29,7 +29,14 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``[n, K] x [N, K] int8 -> [n, N]`` in ``x.dtype`` (torch's CPU int8 weight-only kernel)."""
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32, torch.float16):
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.to(x.dtype))
+    """``[n, K] x [N, K] int8 -> [n, N]`` in ``x.dtype`` (torch's CPU int8 weight-only kernel).
+
+    The kernel is fast for bf16 activations only (fp32 takes a slow generic path, ~60x slower
+    in torch 2.13), so fp32 activations are computed in bf16: this op serves the draft model,
+    whose numerics never reach the output. The kernel crashes (segfault, torch 2.13) unless the
+    input features are a multiple of 16, so other shapes (padded TP shards) take the reference.
+    """
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and q.shape[1] % 16 == 0:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, scales.to(torch.bfloat16))
+        return y.to(x.dtype)
     return int8_linear_reference(x, q, scales)

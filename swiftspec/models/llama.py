@@ -31,8 +31,9 @@ class Attention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias, tp=tp, dtype=dtype)
+        # o_proj's local input columns follow the (possibly padded) local query heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp,
-                                        dtype=dtype)
+                                        dtype=dtype, in_index=self.qkv_proj.q_index)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -92,8 +93,12 @@ class LlamaForCausalLM(nn.Module):
         tp: this rank's TP context (LOCAL for one process).
         dtype: weight and activation dtype (torch.float32 or torch.bfloat16).
         max_positions: size of the RoPE tables; positions must stay below it.
+
+    Any TP degree works: heads and the intermediate size are zero-padded where the degree does
+    not divide them (see :func:`swiftspec.layers.linear.gqa_head_layout`), with the same output.
+
     Raises:
-        ValueError: head counts or sizes not divisible by the TP degree.
+        ValueError: the query head count is not a multiple of the key/value head count.
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
@@ -111,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads_local(self) -> int:
+        """KV heads this rank stores (padded / replicated ones included): the KV cache's dim 2."""
         return self.layers[0].self_attn.num_kv_heads
 
     def make_kv_cache(self, capacity: int) -> KVCache:

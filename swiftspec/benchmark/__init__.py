@@ -1,0 +1,1 @@
+"""Benchmarks shared by ``bench/`` scripts and the ``swiftspec bench`` / ``swiftspec profile`` commands."""

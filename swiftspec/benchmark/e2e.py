@@ -1,0 +1,278 @@
+"""End-to-end decoding benchmark: SwiftSpec modes and peer decoders side by side.
+
+Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (SwiftSpec-base),
+``autoregressive`` (our target alone), ``hf`` (transformers ``generate``, target alone),
+``hf-assisted`` (transformers assisted generation with the draft), ``llama-cpp`` (llama.cpp on
+the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF).
+
+Every system is started once; prompts are interleaved (prompt i runs on every system before
+prompt i+1) and never run concurrently, so all systems see the same machine state. Greedy
+decoding; ``matches_target`` says whether a system's tokens equal the ``autoregressive`` ones
+(same weights and dtype; peers with their own numerics may differ at near-ties). Output: a
+markdown table in the layout of the paper's Table 6 (compression ratio per dataset next to the
+paper's), a PNG bar chart like its Figure 7, and with ``--json`` one JSON list of records.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DATASETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]
+ABBREV = {"alpaca": "ALP", "gsm8k": "GSM", "humaneval": "HE", "mt_bench": "MT", "qa": "QA", "sum": "SUM"}
+# SwiftSpec paper, Table 6 (Qwen2-72B target, Qwen2-1.5B draft, 8 GPUs): compression ratio
+PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 3.11, "QA": 2.74, "SUM": 3.56},
+                "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
+SYSTEMS = ("swiftspec-async", "swiftspec-serial", "autoregressive", "hf", "hf-assisted", "llama-cpp")
+ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-serial": "serial", "autoregressive": "autoregressive"}
+
+
+def prompts_dir() -> Path:
+    """The six evaluation prompt sets: ``$SWIFTSPEC_PROMPTS`` or ``../shared/data/eval-prompts``."""
+    env = os.environ.get("SWIFTSPEC_PROMPTS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "eval-prompts"
+
+
+def load_prompts(spec: str, n: int) -> tuple[str, list[str]]:
+    """``spec``: a dataset name of the eval prompts, or a JSONL file of that format
+    (``{"turns": [user message, ...], ...}`` per line). Returns (name, first ``n`` user messages).
+
+    Raises:
+        FileNotFoundError: no such dataset or file.
+    """
+    path = Path(spec)
+    if not path.exists():
+        path = prompts_dir() / f"{spec}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no prompt file {spec!r} (datasets are looked up in {prompts_dir()})")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return path.stem, [r["turns"][0] for r in rows[:n]]
+
+
+class EngineSystem:
+    """A SwiftSpec engine in one of its modes, behind the peers' ``generate`` signature."""
+
+    def __init__(self, system: str, target, draft, dtype: str, cores: list[int], d: int | None,
+                 config: str | None = None):
+        from swiftspec.engine import Engine
+
+        mode = ENGINE_MODES[system]
+        kw: dict = dict(mode=mode, dtype=dtype)
+        if config is None:
+            if mode == "async":
+                n_draft = max(1, len(cores) // 4)
+                kw.update(target_cores=cores[:-n_draft], draft_cores=cores[-n_draft:], d=d)
+            else:
+                kw.update(target_cores=cores)
+        self.engine = Engine(target, draft if mode != "autoregressive" else None, config=config, **kw)
+        self.system = system
+
+    def generate(self, prompt_ids, max_tokens, eos_ids=()):
+        from swiftspec.sampling import SamplingParams
+
+        out = self.engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens))
+        return out.token_ids, out.metrics
+
+    def close(self):
+        self.engine.close()
+
+
+def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args):
+    from swiftspec.benchmark.peers import HFPeer, LlamaCppPeer
+
+    if system in ENGINE_MODES:
+        cfg = args.config if system == "swiftspec-async" else None
+        return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d, cfg)
+    if system == "hf":
+        return HFPeer(target_dir, None, dtype, threads=len(cores))
+    if system == "hf-assisted":
+        return HFPeer(target_dir, draft_dir, dtype, threads=len(cores))
+    if system == "llama-cpp":
+        gguf = args.target_gguf
+        if gguf is None:
+            from swiftspec.loader import default_gguf_paths
+
+            gguf = default_gguf_paths()[0] if args.target is None else None
+        if gguf is None or not Path(gguf).exists():
+            raise RuntimeError("llama-cpp needs the target's GGUF file (--target-gguf)")
+        return LlamaCppPeer(gguf, threads=len(cores))
+    raise ValueError(system)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (system, dataset): totals over its prompts."""
+    out = []
+    keys = sorted({(r["system"], r["dataset"]) for r in records}, key=lambda k: (SYSTEMS.index(k[0]), k[1]))
+    for system, ds in keys:
+        rs = [r for r in records if r["system"] == system and r["dataset"] == ds]
+        toks = sum(r["num_tokens"] - 1 for r in rs)
+        secs = sum(r["decode_s"] for r in rs)
+        out.append({"system": system, "dataset": ds, "prompts": len(rs),
+                    "tokens_per_s": toks / secs if secs else float("nan"),
+                    "compression_ratio": statistics.mean(r["compression_ratio"] for r in rs),
+                    "ttft_s": statistics.mean(r["ttft_s"] for r in rs),
+                    "tbt_mean_s": statistics.mean(r["tbt_mean_s"] for r in rs),
+                    "tbt_p50_s": statistics.median(r["tbt_p50_s"] for r in rs),
+                    "tbt_p99_s": max(r["tbt_p99_s"] for r in rs),
+                    "matches_target": all(r["matches_target"] for r in rs)})
+    return out
+
+
+def overall(records: list[dict]) -> dict[str, float]:
+    """Decode tokens/s of each system over all its prompts."""
+    res = {}
+    for s in dict.fromkeys(r["system"] for r in records):
+        rs = [r for r in records if r["system"] == s]
+        secs = sum(r["decode_s"] for r in rs)
+        res[s] = sum(r["num_tokens"] - 1 for r in rs) / secs if secs else float("nan")
+    return res
+
+
+def markdown(records: list[dict]) -> str:
+    """Decode-speed table (systems x datasets) and a Table-6 style compression table."""
+    rows = summarize(records)
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    tot = overall(records)
+    base = tot.get("autoregressive")
+    get = {(r["system"], r["dataset"]): r for r in rows}
+    head = " | ".join(ABBREV.get(d, d) for d in datasets)
+    lines = [f"| system | {head} | all | vs autoregressive | TTFT s | TBT p50 ms | TBT p99 ms | equals target |",
+             "|" + "---|" * (len(datasets) + 7)]
+    for s in systems:
+        rs = [get[(s, d)] for d in datasets if (s, d) in get]
+        cells = " | ".join(f"{get[(s, d)]['tokens_per_s']:.2f}" if (s, d) in get else "-" for d in datasets)
+        rel = f"{tot[s] / base:.2f}x" if base else "-"
+        lines.append(f"| {s} | {cells} | {tot[s]:.2f} | {rel} | {statistics.mean(r['ttft_s'] for r in rs):.2f} | "
+                     f"{1e3 * statistics.median(r['tbt_p50_s'] for r in rs):.0f} | "
+                     f"{1e3 * max(r['tbt_p99_s'] for r in rs):.0f} | {all(r['matches_target'] for r in rs)} |")
+    lines += ["", "Compression ratio (verified tokens per target forward), with the paper's Table 6 "
+              "(Qwen2-72B / Qwen2-1.5B on 8 GPUs) for reference:", "",
+              f"| system | {head} |", "|" + "---|" * (len(datasets) + 1)]
+    for s in systems:
+        if s in ("autoregressive", "hf", "llama-cpp"):
+            continue
+        lines.append(f"| {s} | " + " | ".join(
+            f"{get[(s, d)]['compression_ratio']:.2f}" if (s, d) in get else "-" for d in datasets) + " |")
+        if s in PAPER_TABLE6:
+            lines.append(f"| paper: {s} | " + " | ".join(
+                f"{PAPER_TABLE6[s].get(ABBREV.get(d, ''), float('nan')):.2f}" for d in datasets) + " |")
+    return "\n".join(lines)
+
+
+def bar_chart(records: list[dict], path: Path, title: str) -> None:
+    """Grouped bars of decode tokens/s per dataset and system (the paper's Figure 7 layout)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summarize(records)
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    get = {(r["system"], r["dataset"]): r["tokens_per_s"] for r in rows}
+    fig, ax = plt.subplots(figsize=(1.6 * len(datasets) + 3, 4))
+    width = 0.8 / len(systems)
+    for i, s in enumerate(systems):
+        xs = [j + i * width for j in range(len(datasets))]
+        ax.bar(xs, [get.get((s, d), 0.0) for d in datasets], width, label=s)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))], [ABBREV.get(d, d) for d in datasets])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or argparse.ArgumentParser(prog="swiftspec bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", nargs="+", default=DATASETS, help="dataset names or JSONL files (default: all six)")
+    ap.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--systems", nargs="+", default=["swiftspec-async", "swiftspec-serial", "autoregressive", "hf",
+                                                      "hf-assisted"], choices=SYSTEMS)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--d", type=int, default=None, help="async expansions per iteration (default automatic)")
+    ap.add_argument("--config", help="engine configuration JSON for swiftspec-async (from `swiftspec profile`)")
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--target-gguf", help="GGUF of the target for llama-cpp (default: the default pair's)")
+    ap.add_argument("--out", default="bench/out", help="directory for the table, chart and records")
+    ap.add_argument("--json", action="store_true", help="print the per-prompt records as one JSON list")
+    return ap
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from tqdm import tqdm
+
+    from swiftspec.engine import cpu_has_bf16
+    from swiftspec.loader import resolve_model
+
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_bf16() else "float32")
+    cores = sorted(os.sched_getaffinity(0))
+    target_dir = resolve_model(args.target, "target")
+    draft_dir = resolve_model(args.draft, "draft")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    eos = [t for t in {tok.eos_token_id} if t is not None]
+    prompts = []
+    for spec in args.prompts:
+        ds, ps = load_prompts(spec, args.num_prompts)
+        for p in ps:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            prompts.append((ds, list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+    systems = {}
+    records: list[dict] = []
+    try:
+        for s in args.systems:
+            systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args)
+        for ds, ids in tqdm(prompts, desc="prompts", file=sys.stderr):
+            outs = {s: sysm.generate(ids, args.max_tokens, eos) for s, sysm in systems.items()}
+            ref = outs.get("autoregressive", (None,))[0]
+            for s, (toks, m) in outs.items():
+                records.append({"system": s, "dataset": ds, "dtype": dtype, "num_tokens": m.num_tokens,
+                                "decode_s": m.decode_s, "tokens_per_s": m.tokens_per_s,
+                                "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
+                                "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
+                                "matches_target": ref is None or toks == ref,
+                                "draft_stalls": m.draft.get("stall_expansions"),
+                                "target_wait_s": m.target.get("wait_s")})
+    finally:
+        for sysm in systems.values():
+            sysm.close()
+    return records
+
+
+def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    args = args or build_parser().parse_args(argv)
+    records = run(args)
+    if args.json:
+        print(json.dumps(records))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cores = sorted(os.sched_getaffinity(0))
+    title = (f"{records[0]['dtype']}, {len(cores)} cores, {args.max_tokens} tokens, "
+             f"{args.num_prompts} prompts/dataset")
+    table = markdown(records)
+    print(f"{title} ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}")
+    (out / "e2e.md").write_text(f"{title}\n\n{table}\n")
+    (out / "e2e.json").write_text(json.dumps(records, indent=1))
+    try:
+        bar_chart(records, out / "e2e.png", title)
+        print(f"\nchart: {out / 'e2e.png'}")
+    except ImportError:
+        print("\n(matplotlib not installed: no chart)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""``swiftspec profile``: choose the device split, ``d`` and the tree shape for this machine.
+
+The paper's profiling phase (§3.1 "Setting the number of tree expansions", §5.5): for every
+candidate split of the devices (target group x devices, the draft group the rest; even x
+preferred on GPUs), measure the target's verification time and the draft's expansion time while
+both run, set ``d`` to ``r`` or ``r + 1`` with ``r = floor(t_target / t_draft)`` (plus the
+engine's automatic choice), optionally sweep ``bs``/``w`` over {4, 8, 16}, run every candidate end
+to end on calibration prompts and write the fastest configuration as JSON for
+``Engine(config=...)`` / ``swiftspec generate --config``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def candidate_splits(devices: list[int], gpu: bool) -> list[tuple[list[int], list[int]]]:
+    """(target devices, draft devices) for every split that leaves the draft at least one device
+    and the target at least as many as the draft; on GPUs only even target sizes (§5.5)."""
+    n = len(devices)
+    out = []
+    for x in range(n - 1, 0, -1):
+        if x < n - x or (gpu and x % 2 and x != 1):
+            continue
+        out.append((devices[:x], devices[x:]))
+    return out
+
+
+def d_candidates(t_target: float, t_draft: float) -> list[int]:
+    """``{r, r + 1}`` with ``r = floor(t_target / t_draft)`` (at least 1)."""
+    r = max(1, math.floor(t_target / t_draft)) if t_draft > 0 else 1
+    return [r, r + 1]
+
+
+def _measure(engine, prompts, max_tokens) -> dict:
+    from swiftspec.sampling import SamplingParams
+
+    toks = secs = verifs = 0.0
+    t_target, t_draft = [], []
+    for ids in prompts:
+        m = engine.generate(ids, SamplingParams(max_tokens=max_tokens)).metrics
+        toks += m.num_tokens - 1
+        secs += m.decode_s
+        verifs += m.verifications
+        if m.target.get("forwards"):
+            t_target.append(m.target["busy_s"] / m.target["forwards"])
+        if m.draft.get("expansions"):
+            t_draft.append(m.draft["expansion_s"] / m.draft["expansions"])
+    return {"tokens_per_s": toks / secs if secs else 0.0, "compression_ratio": toks / verifs if verifs else 0.0,
+            "t_target_s": sum(t_target) / len(t_target) if t_target else float("nan"),
+            "t_draft_s": sum(t_draft) / len(t_draft) if t_draft else float("nan")}
+
+
+def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prompts: int = 2,
+            max_tokens: int = 64, sweep: bool = False, dtype: str = "auto", devices: list[int] | None = None,
+            progress: bool = True) -> tuple[dict, list[dict]]:
+    """Measure every candidate; return (best configuration dict, all candidate rows)."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from swiftspec.benchmark.e2e import load_prompts
+    from swiftspec.engine import Engine, EngineConfig
+    from swiftspec.loader import resolve_model
+    from swiftspec.sampling import SamplingParams
+
+    target_dir, draft_dir = resolve_model(target, "target"), resolve_model(draft, "draft")
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    calib = []
+    for spec in prompts:
+        for p in load_prompts(spec, num_prompts)[1]:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            calib.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    devices = devices or sorted(os.sched_getaffinity(0))
+    shapes = [(8, 8)] + ([(4, 4), (16, 16)] if sweep else [])
+    splits = candidate_splits(devices, gpu=False)
+    rows: list[dict] = []
+    bar = tqdm(total=len(splits) * len(shapes) * 3, desc="candidates", file=sys.stderr, disable=not progress)
+    for t_dev, d_dev in splits:
+        for bs, w in shapes:
+            cfg = EngineConfig(mode="async", dtype=dtype, target_cores=t_dev, draft_cores=d_dev, bs=bs, w=w, topk=w)
+            with Engine(target_dir, draft_dir, config=cfg) as eng:
+                eng.generate(calib[0], SamplingParams(max_tokens=8))  # warm-up: first touch of the weights
+                ds = [None]
+                for d in ds:
+                    eng.config.d = d
+                    meas = _measure(eng, calib, max_tokens)
+                    rows.append({"target_cores": t_dev, "draft_cores": d_dev, "bs": bs, "w": w,
+                                 "d": "auto" if d is None else d, **meas})
+                    bar.update()
+                    if d is None:  # the measured times give r; try d = r and r + 1 as well
+                        ds += d_candidates(meas["t_target_s"], meas["t_draft_s"])
+    bar.close()
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    cfg = EngineConfig(mode="async", dtype=dtype, target_cores=best["target_cores"], draft_cores=best["draft_cores"],
+                       bs=best["bs"], w=best["w"], topk=best["w"], d=None if best["d"] == "auto" else best["d"])
+    out = asdict(cfg)
+    out["_measured"] = {"tokens_per_s": best["tokens_per_s"], "compression_ratio": best["compression_ratio"],
+                        "t_target_s": best["t_target_s"], "t_draft_s": best["t_draft_s"],
+                        "calibration": list(prompts), "num_prompts": num_prompts, "max_tokens": max_tokens,
+                        "date": time.strftime("%Y-%m-%d %H:%M")}
+    return out, rows
+
+
+def table(rows: list[dict], best: dict) -> str:
+    lines = ["| target cores | draft cores | bs | w | d | t_target ms | t_draft ms | tokens/s | compression |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = " **best**" if r["tokens_per_s"] == best["_measured"]["tokens_per_s"] else ""
+        lines.append(f"| {r['target_cores']} | {r['draft_cores']} | {r['bs']} | {r['w']} | {r['d']} | "
+                     f"{1e3 * r['t_target_s']:.0f} | {1e3 * r['t_draft_s']:.0f} | {r['tokens_per_s']:.2f}{mark} | "
+                     f"{r['compression_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or argparse.ArgumentParser(prog="swiftspec profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--prompts", nargs="+", default=["humaneval", "mt_bench"],
+                    help="calibration prompt sets (dataset names or JSONL files)")
+    ap.add_argument("--num-prompts", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--sweep", action="store_true", help="also try bs = w = 4 and 16")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--cores", help="comma-separated CPU cores to split (default: all available)")
+    ap.add_argument("--output", default="swiftspec-config.json", help="where to write the chosen configuration")
+    return ap
+
+
+def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    args = args or build_parser().parse_args(argv)
+    devices = [int(c) for c in args.cores.split(",")] if args.cores else None
+    best, rows = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,
+                         args.dtype, devices)
+    print(table(rows, best))
+    tmp = Path(f"{args.output}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(best, indent=1))
+    os.replace(tmp, args.output)
+    print(f"\nbest: target cores {best['target_cores']}, draft cores {best['draft_cores']}, bs={best['bs']} "
+          f"w={best['w']} d={best['d'] or 'auto'}: {best['_measured']['tokens_per_s']:.2f} tokens/s -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

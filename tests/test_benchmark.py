@@ -1,0 +1,37 @@
+"""The benchmark's bookkeeping (prompt loading, tables, chart) on synthetic records."""
+import json
+
+import pytest
+
+from swiftspec.benchmark.e2e import bar_chart, load_prompts, markdown, overall, summarize
+
+
+def _rec(system, ds, tps, cr=1.0, match=True):
+    n = 65
+    return {"system": system, "dataset": ds, "num_tokens": n, "decode_s": (n - 1) / tps, "tokens_per_s": tps,
+            "compression_ratio": cr, "ttft_s": 0.5, "tbt_mean_s": 1 / tps, "tbt_p50_s": 1 / tps,
+            "tbt_p99_s": 2 / tps, "matches_target": match}
+
+
+def test_load_prompts_from_file_and_errors(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"q{i}", "again"]}) for i in range(4)))
+    assert load_prompts(str(f), 2) == ("mine", ["q0", "q1"])
+    with pytest.raises(FileNotFoundError):
+        load_prompts("no-such-dataset", 1)
+
+
+def test_tables_and_chart(tmp_path):
+    recs = [_rec("autoregressive", "humaneval", 5.0), _rec("autoregressive", "humaneval", 5.0),
+            _rec("swiftspec-async", "humaneval", 10.0, 3.5), _rec("swiftspec-async", "humaneval", 12.5, 3.9),
+            _rec("hf", "humaneval", 2.0, match=False)]
+    rows = summarize(recs)
+    a = next(r for r in rows if r["system"] == "swiftspec-async")
+    assert a["prompts"] == 2 and a["tokens_per_s"] == pytest.approx(128 / (64 / 10 + 64 / 12.5))
+    assert a["compression_ratio"] == pytest.approx(3.7)
+    assert overall(recs)["autoregressive"] == pytest.approx(5.0)
+    md = markdown(recs)
+    assert "| swiftspec-async | 11.11 |" in md and "2.22x" in md and "paper: swiftspec-async | 3.92" in md
+    assert "| hf |" in md and "False" in md
+    bar_chart(recs, tmp_path / "c.png", "t")
+    assert (tmp_path / "c.png").stat().st_size > 1000
