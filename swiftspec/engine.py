@@ -286,11 +286,13 @@ class Engine:
         tok_file = str(Path(self.target_path) / "tokenizer.json")
         self._leader_conns: dict[str, Connection] = {}
         peer_ends = ctx.Pipe() if self.config.mode == "async" else (None, None)
+        handed_over = [c for c in peer_ends if c is not None]  # ends that live in the workers
         dtype = self._dtype()
         self.dtype = dtype
         for gi, (kind, models, cores, tp) in enumerate(layout):
             per_rank = _split(cores, tp)
             follower_pipes = [ctx.Pipe() for _ in range(tp - 1)]
+            handed_over += [c for pair in follower_pipes for c in pair]
             for j, r in enumerate(groups[gi]):
                 spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
                                   kind=kind, cores=per_rank[j], threads=len(per_rank[j]), dtype=dtype,
@@ -313,6 +315,8 @@ class Engine:
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)
+        for c in handed_over:  # the workers have their copies; ours would only leak descriptors
+            c.close()
         self._wait_ready()
 
     def _wait_ready(self) -> None:

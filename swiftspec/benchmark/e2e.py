@@ -2,7 +2,8 @@
 
 Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (SwiftSpec-base),
 ``autoregressive`` (our target alone), ``hf`` (transformers ``generate``, target alone),
-``hf-assisted`` (transformers assisted generation with the draft), ``llama-cpp`` (llama.cpp on
+``hf-assisted`` (transformers assisted generation with the draft), ``swiftspec-profiled``
+(async with the ``--config`` written by ``swiftspec profile``), ``llama-cpp`` (llama.cpp on
 the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF).
 
 Every system is started once; prompts are interleaved (prompt i runs on every system before
@@ -27,8 +28,10 @@ ABBREV = {"alpaca": "ALP", "gsm8k": "GSM", "humaneval": "HE", "mt_bench": "MT", 
 # SwiftSpec paper, Table 6 (Qwen2-72B target, Qwen2-1.5B draft, 8 GPUs): compression ratio
 PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 3.11, "QA": 2.74, "SUM": 3.56},
                 "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
-SYSTEMS = ("swiftspec-async", "swiftspec-serial", "autoregressive", "hf", "hf-assisted", "llama-cpp")
-ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-serial": "serial", "autoregressive": "autoregressive"}
+SYSTEMS = ("swiftspec-async", "swiftspec-profiled", "swiftspec-serial", "autoregressive", "hf", "hf-assisted",
+           "llama-cpp")
+ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
+                "autoregressive": "autoregressive"}
 
 
 def prompts_dir() -> Path:
@@ -86,9 +89,12 @@ class EngineSystem:
 def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args):
     from swiftspec.benchmark.peers import HFPeer, LlamaCppPeer
 
+    if system == "swiftspec-profiled":
+        if not args.config:
+            raise ValueError("swiftspec-profiled needs --config (from `swiftspec profile`)")
+        return EngineSystem(system, target_dir, draft_dir, dtype, cores, None, args.config)
     if system in ENGINE_MODES:
-        cfg = args.config if system == "swiftspec-async" else None
-        return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d, cfg)
+        return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d)
     if system == "hf":
         return HFPeer(target_dir, None, dtype, threads=len(cores))
     if system == "hf-assisted":
@@ -200,7 +206,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                                                       "hf-assisted"], choices=SYSTEMS)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--d", type=int, default=None, help="async expansions per iteration (default automatic)")
-    ap.add_argument("--config", help="engine configuration JSON for swiftspec-async (from `swiftspec profile`)")
+    ap.add_argument("--config", help="engine configuration JSON for swiftspec-profiled (from `swiftspec profile`)")
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--target-gguf", help="GGUF of the target for llama-cpp (default: the default pair's)")

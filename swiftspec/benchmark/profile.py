@@ -77,7 +77,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
             ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
             calib.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     devices = devices or sorted(os.sched_getaffinity(0))
-    shapes = [(8, 8)] + ([(4, 4), (16, 16)] if sweep else [])
+    shapes = [(8, 8)] + ([(8, 4), (4, 4), (16, 8), (16, 16)] if sweep else [])
     splits = candidate_splits(devices, gpu=False)
     rows: list[dict] = []
     bar = tqdm(total=len(splits) * len(shapes) * 3, desc="candidates", file=sys.stderr, disable=not progress)
@@ -126,7 +126,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                     help="calibration prompt sets (dataset names or JSONL files)")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--sweep", action="store_true", help="also try bs = w = 4 and 16")
+    ap.add_argument("--sweep", action="store_true", help="also try (bs, w) = (8, 4), (4, 4), (16, 8), (16, 16)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--cores", help="comma-separated CPU cores to split (default: all available)")
     ap.add_argument("--output", default="swiftspec-config.json", help="where to write the chosen configuration")
