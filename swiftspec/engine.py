@@ -98,7 +98,8 @@ class EngineConfig:
             use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
         target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
             evenly among its ranks, each running that many threads.
-        bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`).
+        bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
+            8, 4, w, 1024, 256.
         d: expansions per iteration; None = automatic in async, 3 in serial.
         max_model_len: context length in tokens (prompt + generation).
         draft_quant: "int8" (default) or "none": weight-only quantization of the draft. The
@@ -116,8 +117,10 @@ class EngineConfig:
     target_tp: int = 1
     draft_tp: int = 1
     bs: int = 8
-    w: int = 8
-    topk: int = 8
+    # w = topk = 4, not the paper's 8: measured on 2 CPU cores by `swiftspec profile --sweep`
+    # (bench/RESULTS.md), a 4-leaf expansion costs half an 8-leaf one and the tree grows deeper
+    w: int = 4
+    topk: int | None = None
     max_nodes: int = 1024
     max_cached: int = 256
     d: int | None = None
@@ -144,7 +147,7 @@ class EngineConfig:
         self.tree_params()  # validates bs, w, ...
 
     def tree_params(self) -> TreeParams:
-        return TreeParams(self.bs, self.w, self.topk, self.max_nodes, self.max_cached)
+        return TreeParams(self.bs, self.w, self.topk or self.w, self.max_nodes, self.max_cached)
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "EngineConfig":
