@@ -9,15 +9,18 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 stamp=.venv/.swiftspec-installed-$(cat setup.py pyproject.toml | sha256sum | cut -c1-16)${1:+-$1}
+log=.venv/install.log
+quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup failed: $*" >&2; exit 1; }; }
 if [ ! -f "$stamp" ]; then
-  $py -m pip install -q --upgrade pip
+  echo "setting up .venv (log: $log)" >&2
+  quiet $py -m pip install --upgrade pip
   if ! $py -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-      $py -m pip install -q torch
+      quiet $py -m pip install torch
     else
-      $py -m pip install -q torch==2.13.0
+      quiet $py -m pip install torch==2.13.0
     fi
   fi
-  $py -m pip install -q -e ".${1:+[$1]}"
+  quiet $py -m pip install -e ".${1:+[$1]}"
   touch "$stamp"
 fi
