@@ -115,8 +115,3 @@ class DraftState:
         if self.debug:
             self.tree.check_invariants()
         return r
-
-    def context_len(self) -> int:
-        """Slots of the draft cache in use (prefix + pending + tree cache)."""
-        t = self.tree
-        return t.prefix_len + len(t.pending) + t.num_cached

@@ -6,8 +6,6 @@ target's prefix cache holds the KV of every verified token except the root, in s
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from swiftspec.runner import RunnerHandle
@@ -40,8 +38,6 @@ class TargetState:
         self.runner = runner
         self.prefix_len = 0
         self.root: int | None = None
-        self.verify_s = 0.0
-        self.verifications = 0
 
     def prefill(self, prompt_ids: list[int], sampler: Sampler) -> int:
         """Run the prompt and sample the first token (the first root)."""
@@ -51,7 +47,6 @@ class TargetState:
         logits = self.runner.forward(torch.tensor(prompt_ids), pos, pos, mask, torch.tensor([n - 1]))
         self.prefix_len = n
         self.root = sampler.sample(logits[0])
-        self.verify_s, self.verifications = 0.0, 0
         return self.root
 
     def verify(self, sg: Subgraph, sampler: Sampler, max_new: int | None = None) -> VerifyResult:
@@ -65,7 +60,6 @@ class TargetState:
         L, bs = self.prefix_len, len(sg)
         if L + bs > self.runner.capacity:
             raise ValueError("subgraph does not fit the target KV cache")
-        t0 = time.perf_counter()
         slots = torch.arange(L, L + bs)
         pos = torch.tensor(sg.depths) + L
         logits = self.runner.forward(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
@@ -75,6 +69,4 @@ class TargetState:
         self.runner.move_kv([L + i for i in keep], list(range(L, L + len(keep))))
         self.prefix_len = L + len(keep)
         self.root = res.bonus
-        self.verify_s += time.perf_counter() - t0
-        self.verifications += 1
         return res

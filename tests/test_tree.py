@@ -1,5 +1,4 @@
 """Draft tree bookkeeping: expansion plans, masks, subgraph selection, re-root and KV moves."""
-import math
 
 import pytest
 import torch

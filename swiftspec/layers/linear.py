@@ -146,16 +146,6 @@ class LinearBase(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole weight."""
-
-    def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32):
-        super().__init__(in_features, out_features, bias, tp, dtype)
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(loaded)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks: ``[n, in] -> [n, ceil(out / tp)]``.
 

@@ -116,29 +116,3 @@ class ModelConfig:
                 extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
                 cfg = {**cfg, "eos_token_id": base + [e for e in extra if e not in base]}
         return cls.from_dict(cfg)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The inverse of :meth:`from_dict` (used by tests to build tiny models HF can load)."""
-        model_type = self.arch
-        d = {
-            "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
-            "model_type": model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-            "hidden_act": "silu",
-        }
-        if model_type == "llama":
-            d["attention_bias"] = self.attention_bias
-        return d
