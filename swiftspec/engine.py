@@ -464,42 +464,46 @@ class Engine:
         out = GenerationOutput(final, st.tokens, stats.reason, metrics)
         yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", [], True, out)
 
-    def _receive(self, req: Request, st: "_Collected", conns: list[Connection]) -> Iterator[StreamChunk]:
-        st.expect_done = set(self._leader_conns)
-        while st.expect_done:
-            if not wait(conns + [p.sentinel for p in self._procs], timeout=1.0):
-                continue
+    def _messages(self, conns: list[Connection]) -> Iterator[tuple]:
+        """Worker messages as they arrive, plus a ``("tick",)`` after every wait (at most 1 s) so
+        callers can keep time; between waits, a dead worker raises WorkerError."""
+        while True:
+            wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
             for conn in conns:
                 while conn.poll():
-                    msg = self._recv(conn)
-                    if msg[0] == "tokens":
-                        _, new, t = msg
-                        st.events.append((t, len(new)))
-                        st.tokens += new
-                        text = self._text(st.tokens, req.params.stop)
-                        if text.startswith(st.text) and len(text) > len(st.text):
-                            delta, st.text = text[len(st.text):], text
-                            yield StreamChunk(delta, new)
-                    elif msg[0] == "done":
-                        st.done[msg[1]] = msg[2:]
-                        st.expect_done.discard(msg[1])
+                    yield self._recv(conn)
             self._check_alive()
+            yield ("tick",)
+
+    def _receive(self, req: Request, st: "_Collected", conns: list[Connection]) -> Iterator[StreamChunk]:
+        st.expect_done = set(self._leader_conns)
+        for msg in self._messages(conns):
+            if msg[0] == "tokens":
+                _, new, t = msg
+                st.events.append((t, len(new)))
+                st.tokens += new
+                text = self._text(st.tokens, req.params.stop)
+                if text.startswith(st.text) and len(text) > len(st.text):
+                    delta, st.text = text[len(st.text):], text
+                    yield StreamChunk(delta, new)
+            elif msg[0] == "done":
+                st.done[msg[1]] = msg[2:]
+                st.expect_done.discard(msg[1])
+                if not st.expect_done:
+                    return
 
     def _cancel(self, expect_done: set[str], conns: list[Connection]) -> None:
         """Stop the running request and drain its messages, so the next request starts clean."""
         lead = self._leader_conns.get(ROLE_TARGET) or self._leader_conns[self.config.mode]
         lead.send(("cancel",))
         deadline = time.monotonic() + 30.0
-        while expect_done and time.monotonic() < deadline:
-            wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
-            for conn in conns:
-                while conn.poll():
-                    msg = self._recv(conn)
-                    if msg[0] == "done":
-                        expect_done.discard(msg[1])
-            self._check_alive()
-        if expect_done:
-            self._fail("workers did not acknowledge a cancelled request within 30 s")
+        for msg in self._messages(conns):
+            if msg[0] == "done":
+                expect_done.discard(msg[1])
+            if not expect_done:
+                return
+            if time.monotonic() > deadline:
+                self._fail("workers did not acknowledge a cancelled request within 30 s")
 
     def _text(self, ids: list[int], stop: tuple[str, ...]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
