@@ -349,6 +349,11 @@ class Engine:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
+            # The pipe reports EOF a moment before the dying process can be reaped (its fds close
+            # before it turns zombie); wait for that so the error names the worker that died.
+            deadline = time.monotonic() + 2.0
+            while all(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+                time.sleep(0.01)
             self._check_alive()
             self._fail("a worker closed its pipe unexpectedly")
         if msg[0] == "error":
