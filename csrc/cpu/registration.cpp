@@ -1,0 +1,21 @@
+// The one registration file of the CPU twins: every op's Python binding is declared here and
+// defined in its domain file (shm_comm.cpp, swiglu.cpp, tree_attention.cpp).
+#include <torch/extension.h>
+
+#include "swiftspec/ll_protocol.h"
+
+#define SWIFTSPEC_LL_FLAG_BITS_VALUE (static_cast<int>(swiftspec::ll::kFlagBits))
+
+namespace swiftspec {
+void register_shm_comm(pybind11::module_& m);       // shm_comm.cpp
+void register_swiglu(pybind11::module_& m);         // swiglu.cpp
+void register_tree_attention(pybind11::module_& m); // tree_attention.cpp
+}  // namespace swiftspec
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "SwiftSpec CPU twins of the latency kernels (DESIGN.md section 6)";
+  m.attr("ll_flag_bits") = SWIFTSPEC_LL_FLAG_BITS_VALUE;
+  swiftspec::register_shm_comm(m);
+  swiftspec::register_swiglu(m);
+  swiftspec::register_tree_attention(m);
+}

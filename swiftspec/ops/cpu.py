@@ -1,0 +1,87 @@
+"""Build and load the CPU twins (``csrc/cpu/*.cpp``) as one torch extension.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja, pybind11,
+OpenMP through ``at::parallel_for``) for the machine it runs on (``-march=native``), into
+``$SWIFTSPEC_CACHE/build/`` (default ``~/.cache/swiftspec/build``); later loads only check the
+sources' hash. torch's file lock in the build directory makes concurrent first loads (several
+worker processes) safe: one compiles, the others wait.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU twins could not be compiled or loaded (the message holds the compiler output)."""
+
+
+def sources() -> list[Path]:
+    """The C++ sources of the CPU extension, registration file last."""
+    cpu = CSRC / "cpu"
+    files = sorted(p for p in cpu.glob("*.cpp") if p.name != "registration.cpp")
+    return files + [cpu / "registration.cpp"]
+
+
+def build_dir(tag: str) -> Path:
+    root = Path(os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec"))
+    # -march=native code must not be reused on a different CPU model
+    cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
+    d = root / "build" / f"{tag}-{platform.machine()}-{cpu}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.lru_cache(maxsize=None)
+def load(flag_bits: int | None = None, verbose: bool = False):
+    """The compiled extension module.
+
+    Args:
+        flag_bits: build with ``-DSWIFTSPEC_LL_FLAG_BITS=flag_bits`` (a separate module; tests use
+            2 so LL flags wrap around every 3 calls). None: the production 32-bit flags.
+        verbose: show the compiler's output.
+
+    Raises:
+        KernelBuildError: no C++ compiler / ninja, or the sources do not compile.
+    """
+    from torch.utils import cpp_extension
+
+    name = "swiftspec_cpu" if flag_bits is None else f"swiftspec_cpu_llflag{flag_bits}"
+    defines = [] if flag_bits is None else [f"-DSWIFTSPEC_LL_FLAG_BITS={flag_bits}"]
+    cflags = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-unused-function", *defines]
+    try:
+        return cpp_extension.load(
+            name=name, sources=[str(p) for p in sources()],
+            extra_include_paths=[str(CSRC / "include")], extra_cflags=cflags,
+            extra_ldflags=["-fopenmp", "-lrt"], build_directory=str(build_dir(name)), verbose=verbose)
+    except Exception as e:  # compiler errors surface as RuntimeError / CalledProcessError / ImportError
+        raise KernelBuildError(f"building the CPU kernels ({name}) failed: {e}") from e
+
+
+def available() -> bool:
+    """Whether the CPU twins can be built and loaded here (the result is cached)."""
+    try:
+        load()
+        return True
+    except KernelBuildError:
+        return False
+
+
+if __name__ == "__main__":
+    load(verbose=True)
+    print("built", load().__file__)

@@ -1,0 +1,75 @@
+"""PyTorch references of the latency ops: the fallback path and the oracle the kernels are tested
+against. Each function has the same signature and semantics as its CPU twin (``csrc/cpu``) and CUDA
+kernel (``csrc/kernels``); DESIGN.md section 6, SwiftSpec paper section 3.3.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """Fused SwiGLU: ``SiLU(x @ W_gate^T) * (x @ W_up^T)``.
+
+    Shapes: x ``[M, K]``; w_gate_up ``[2 * I, K]`` with the gate rows first, then the up rows (the
+    layout of ``MergedColumnParallelLinear``). Returns ``[M, I]`` in x's dtype. Computed as PyTorch's
+    best arrangement: one concatenated matmul, then SiLU(gate) * up.
+    """
+    gu = x @ w_gate_up.t()
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x ``[n, H, D]``; cos, sin ``[n, D]`` float32. Returns x's dtype."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+    return (xf * cos.unsqueeze(1) + rot * sin.unsqueeze(1)).to(x.dtype)
+
+
+def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                   mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """RoPE, KV write and masked attention of a few query tokens over prefix + tree cache.
+
+    1. RoPE (rotate-half) at ``positions`` is applied to ``q`` and ``k_new``.
+    2. The rotated ``k_new`` and ``v_new`` are written into cache slot ``slots[i]``; a negative slot
+       is not written (padding rows of a CUDA-graph batch).
+    3. Query ``i`` attends to cache slots ``j < S`` with ``mask[i, j]`` True (non-square mask; the
+       draft's expansion mask is ``[w, prefix + tree]``, the target's verification mask ``[bs, ...]``).
+       A fully masked row returns zeros (FlashInfer's convention: m = -inf, l = 0).
+
+    Shapes / dtypes: q ``[n, Hq, D]``; k_new, v_new ``[n, Hk, D]`` (same dtype as q, fp32 or bf16);
+    k_cache, v_cache ``[Hk, C, D]`` (modified in place); slots, positions ``[n]`` int64;
+    cos_table, sin_table ``[P, D]`` float32 (rows indexed by position); mask ``[n, S]`` bool with
+    ``S <= C``; ``Hq % Hk == 0`` (grouped-query attention). Returns ``[n, Hq * D]`` in q's dtype.
+    Softmax is computed in float32.
+    """
+    n, hq, d = q.shape
+    hk = k_new.shape[1]
+    cos, sin = cos_table[positions], sin_table[positions]
+    q = rope_rotate(q, cos, sin)
+    k_new = rope_rotate(k_new, cos, sin)
+    keep = slots >= 0
+    k_cache[:, slots[keep]] = k_new[keep].transpose(0, 1)
+    v_cache[:, slots[keep]] = v_new[keep].transpose(0, 1)
+    S = mask.shape[1]
+    k = k_cache[:, :S].float().repeat_interleave(hq // hk, dim=0)          # [Hq, S, D]
+    v = v_cache[:, :S].float().repeat_interleave(hq // hk, dim=0)
+    scores = torch.einsum("nhd,hsd->hns", q.float(), k) * scale            # [Hq, n, S]
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)                      # fully masked row -> 0
+    out = torch.einsum("hns,hsd->nhd", p, v)
+    return out.reshape(n, hq * d).to(q.dtype)
+
+
+def gemm_all_reduce(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tp) -> torch.Tensor:
+    """Row-parallel linear: ``all_reduce(x @ w^T) (+ bias)`` over the TP group ``tp``.
+
+    Shapes: x ``[M, K_local]``, w ``[N, K_local]``, bias ``[N]`` or None. Returns ``[M, N]`` in x's
+    dtype, identical on every rank. ``tp`` is a :class:`swiftspec.parallel.TPContext`.
+    """
+    y = tp.all_reduce(x @ w.t())
+    return y + bias if bias is not None else y
