@@ -24,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d", type=int, help="expansions per iteration (default: automatic in async, 3 in serial)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default 4096)")
     p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="use the compiled kernels (CPU twins / CUDA) where available (default: on)")
 
 
 def _int_list(s: str) -> list[int]:
@@ -34,7 +36,8 @@ def _int_list(s: str) -> list[int]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["mode", "dtype", "target_cores", "draft_cores", "target_tp", "draft_tp", "bs", "w", "d", "max_model_len"]
+    keys = ["mode", "dtype", "target_cores", "draft_cores", "target_tp", "draft_tp", "bs", "w", "d", "max_model_len",
+            "kernels"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

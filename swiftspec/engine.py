@@ -107,6 +107,9 @@ class EngineConfig:
         draft_vocab: the draft proposes only the first ``draft_vocab`` token ids (BPE vocabularies
             put frequent merges first; FR-Spec's observation); None = the whole vocabulary shared
             with the target. Like ``draft_quant`` it changes speed, never the output.
+        kernels: use the latency kernels (CPU twins or CUDA kernels: shared-memory LL all-reduce,
+            fused GEMM + all-reduce, fused SwiGLU, tree attention) where available; False runs
+            PyTorch ops and gloo/NCCL collectives only. Changes speed, never the output (fp32).
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
@@ -127,6 +130,7 @@ class EngineConfig:
     max_model_len: int = 4096
     draft_quant: str = "int8"
     draft_vocab: int | None = 32768
+    kernels: bool = True
     start_timeout_s: float = 600.0
 
     def __post_init__(self):
@@ -302,7 +306,7 @@ class Engine:
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
                                   draft_vocab=min(self.vocab_limit, self.config.draft_vocab or self.vocab_limit),
                                   draft_quant=None if self.config.draft_quant == "none" else self.config.draft_quant,
-                                  tokenizer_file=tok_file)
+                                  kernels=self.config.kernels, tokenizer_file=tok_file)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]

@@ -37,6 +37,7 @@ class WorkerSpec:
         draft_vocab: the draft proposes only ids ``[0, draft_vocab)`` (ids the target knows too,
             optionally fewer: the most frequent ones).
         draft_quant: "int8" or None: weight-only quantization of the draft model.
+        kernels: use the compiled latency kernels and the shared-memory all-reduce (swiftspec.ops).
     """
 
     rank: int
@@ -53,6 +54,7 @@ class WorkerSpec:
     tree: TreeParams = field(default_factory=TreeParams)
     draft_vocab: int | None = None
     draft_quant: str | None = None
+    kernels: bool = True
     tokenizer_file: str | None = None
 
     @property
@@ -67,12 +69,14 @@ def _capacity(spec: WorkerSpec, role: str) -> int:
 
 
 def _setup(spec: WorkerSpec):
+    from swiftspec import ops
     from swiftspec.parallel import LOCAL, init_world
     from swiftspec.runner import ModelRunner
 
     if spec.cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
+    ops.set_kernels(spec.kernels)
     tp = LOCAL
     if spec.port:
         tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups)[spec.group]

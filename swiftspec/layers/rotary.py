@@ -31,16 +31,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return inv.float()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables for positions ``[0, max_positions)``.
-
-    ``forward(positions [n] int64, q [n, Hq, D], k [n, Hk, D]) -> (q, k)`` rotated, same dtype.
-    """
+    """Precomputed cos/sin tables ``[max_positions, head_dim]`` float32 (rotate-half layout: the
+    frequencies repeated twice). The rotation itself is fused into :func:`swiftspec.ops.tree_attention`."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -50,8 +43,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from swiftspec import ops
 from swiftspec.layers.activation import silu_and_mul
-from swiftspec.layers.attention import cache_attention
 from swiftspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from swiftspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from swiftspec.layers.norm import RMSNorm
@@ -47,8 +47,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        o = cache_attention(q, k, v, kv[0], kv[1], slots, mask, self.scale)
+        o = ops.tree_attention(q, k, v, kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, self.scale)
         return self.o_proj(o)
 
 
@@ -60,7 +59,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        w = getattr(gate_up, "weight", None)  # None once quantized to int8
+        if w is not None and gate_up.bias is None:
+            return self.down_proj(ops.swiglu(x, w))
+        return self.down_proj(silu_and_mul(gate_up(x)))  # int8 weights: quantized matmul, then SwiGLU
 
 
 class DecoderLayer(nn.Module):

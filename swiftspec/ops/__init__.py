@@ -1,0 +1,119 @@
+"""One function per latency op; each call goes to the CUDA kernel, the CPU twin or the PyTorch
+path, by the tensors' device and what is available (DESIGN.md section 6).
+
+- ``cuda``: ``csrc/kernels/*.cu`` through :mod:`swiftspec.ops.cuda` (tensors on a CUDA device).
+- ``cpu``: the C++ twins ``csrc/cpu/*.cpp`` through :mod:`swiftspec.ops.cpu` (CPU tensors).
+- ``torch``: plain PyTorch ops (the fallback; :mod:`swiftspec.ops.reference` is the test oracle).
+
+Kernels are on by default (``SWIFTSPEC_KERNELS=0`` turns them off); :func:`set_kernels` turns them off for this process (the engine's
+``kernels=False`` does it in every worker, so the output can be compared with kernels on and off).
+A kernel that fails to build is reported once as a warning and the op falls back to PyTorch.
+The collectives (shared-memory LL all-reduce, fused GEMM + all-reduce) belong to the TP group and
+are chosen in :mod:`swiftspec.parallel`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from swiftspec.ops import reference
+
+# SWIFTSPEC_KERNELS=0 in the environment turns them off from the start (ablations, debugging)
+_state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0"}
+
+
+def set_kernels(enabled: bool) -> None:
+    """Use the compiled kernels (True, the default) or PyTorch ops only (False) in this process."""
+    _state["enabled"] = bool(enabled)
+
+
+def kernels_enabled() -> bool:
+    return _state["enabled"]
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_module():
+    from swiftspec.ops import cpu
+    try:
+        return cpu.load()
+    except cpu.KernelBuildError as e:
+        warnings.warn(f"CPU kernels unavailable, using PyTorch ops: {e}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_module():
+    from swiftspec.ops import cuda
+    try:
+        return cuda if cuda.available() else None
+    except Exception as e:  # a failed nvcc build or load: fall back, say why once
+        warnings.warn(f"CUDA kernels unavailable, using PyTorch ops: {e}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def backend(t: torch.Tensor) -> str:
+    """Which implementation an op on tensor ``t`` uses: "cuda", "cpu" or "torch"."""
+    if not _state["enabled"]:
+        return "torch"
+    if t.is_cuda:
+        return "cuda" if _cuda_module() is not None else "torch"
+    if t.device.type == "cpu":
+        return "cpu" if _cpu_module() is not None else "torch"
+    return "torch"
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """Fused SwiGLU ``SiLU(x @ W_gate^T) * (x @ W_up^T)``; see :func:`reference.swiglu`.
+
+    Shapes: x ``[M, K]``, w_gate_up ``[2I, K]`` (gate rows, then up rows), same dtype (fp32/bf16/
+    fp16 on CUDA). Returns ``[M, I]``.
+    """
+    b = backend(x)
+    if b == "cpu" and x.dtype == w_gate_up.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        return _cpu_module().swiglu(x.contiguous(), w_gate_up)
+    if b == "cuda":
+        return _cuda_module().swiglu(x.contiguous(), w_gate_up)
+    return reference.swiglu(x, w_gate_up)
+
+
+def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
+                   scale: float) -> torch.Tensor:
+    """RoPE + KV write + masked attention over prefix and tree cache; see
+    :func:`reference.tree_attention` for shapes, dtypes and semantics (negative slots are not
+    written; fully masked rows give zeros)."""
+    b = backend(q)
+    args = (q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_cache, v_cache, slots, positions,
+            cos_table, sin_table, mask.contiguous(), float(scale))
+    if b == "cpu":
+        return _cpu_module().tree_attention(*args)
+    if b == "cuda":
+        return _cuda_module().tree_attention(*args)
+    return _torch_tree_attention(*args)
+
+
+def _torch_tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table,
+                          mask, scale):
+    """The PyTorch path (kernels off or unavailable): RoPE in q's dtype, KV write, then
+    ``F.scaled_dot_product_attention`` over cache slots ``[0, S)`` with the mask materialized.
+    SDPA gives NaN for a fully masked row; the model never builds one (only padded CUDA-graph
+    batches do, and those run the CUDA kernel)."""
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    q, k_new = (t * cos + _rotate_half(t) * sin for t in (q, k_new))
+    keep = slots >= 0
+    k_cache[:, slots[keep]] = k_new[keep].transpose(0, 1)
+    v_cache[:, slots[keep]] = v_new[keep].transpose(0, 1)
+    S = mask.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k_cache[:, :S].unsqueeze(0), v_cache[:, :S].unsqueeze(0),
+        attn_mask=mask.view(1, 1, *mask.shape), scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
