@@ -1,4 +1,5 @@
-"""SwiftSpec package. The C++/CUDA kernels (csrc/) are built only where their toolchains exist."""
+"""SwiftSpec package. The C++/CUDA kernels (csrc/) are compiled on first use where their toolchains
+exist (swiftspec/ops/cpu.py, swiftspec/ops/cuda.py); without them the PyTorch ops are used."""
 from setuptools import find_packages, setup
 
 setup(
@@ -9,7 +10,9 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here: install the build for your machine first (CPU: torch==2.13.0).
     install_requires=["torch>=2.5", "numpy", "safetensors", "tokenizers>=0.19", "transformers>=4.45", "gguf>=0.10",
-                      "jinja2", "tqdm"],
+                      "jinja2", "tqdm",
+                      # the CPU twins (csrc/cpu) are JIT-built by torch.utils.cpp_extension on first use
+                      "ninja", "pybind11"],
     extras_require={
         "test": ["pytest", "scipy", "matplotlib"],
         # llama-cpp-python builds llama.cpp from source (several minutes); only the peer benchmark needs it

@@ -24,3 +24,7 @@ if [ ! -f "$stamp" ]; then
   quiet $py -m pip install -e ".${1:+[$1]}"
   touch "$stamp"
 fi
+# Compile the CPU kernels now rather than inside the first engine start (a no-op when up to date).
+if ! $py -m swiftspec.ops.cpu >>"$log" 2>&1; then
+  echo "warning: the CPU kernels did not build (see $log); SwiftSpec falls back to PyTorch ops" >&2
+fi
