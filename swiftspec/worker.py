@@ -79,7 +79,7 @@ def _setup(spec: WorkerSpec):
     ops.set_kernels(spec.kernels)
     tp = LOCAL
     if spec.port:
-        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups)[spec.group]
+        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.kernels)[spec.group]
     dtype = getattr(torch, spec.dtype)
     runners = {}
     for role, path in spec.models.items():
