@@ -3,16 +3,20 @@
 A *group* (draft group or target group, DESIGN.md §1) is a set of processes that shard one model
 Megatron style. On CPU the collectives run over torch.distributed with the gloo backend; on CUDA
 over NCCL. ``TPContext`` is what a layer sees: its rank inside the group, the group size (the TP
-degree) and the two collectives it needs.
+degree) and the collectives it needs. On CPU, when every rank of a group runs on one host, a group
+can also carry a shared-memory communicator (:mod:`swiftspec.comm`, the LL all-reduce of DESIGN.md
+section 6): the all-reduce and the row-parallel GEMM + all-reduce then use it instead of gloo.
 """
 from __future__ import annotations
 
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -23,14 +27,22 @@ class TPContext:
         rank: rank inside the group, 0 is the group leader.
         size: TP degree (number of processes in the group).
         group: the torch.distributed process group, or None when ``size == 1``.
+        shm: a :class:`swiftspec.comm.ShmCommunicator` for this group, or None (gloo / NCCL).
     """
 
     rank: int = 0
     size: int = 1
     group: object | None = None
+    shm: object | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group in place (identity when size is 1). Returns ``x``."""
+        """Sum ``x`` over the group in place (identity when size is 1). Returns ``x``.
+
+        With ``shm`` the sum runs in rank order in float32 (identical bits on every rank);
+        otherwise over the process group (bf16 / fp16 reduced in float32).
+        """
+        if self.size > 1 and self.shm is not None:
+            return self.shm.all_reduce(x)
         if self.size > 1:
             # gloo reduces bf16 poorly and not at all for some ops; reduce in fp32 for identical bits.
             if x.dtype != torch.float32:
@@ -40,6 +52,22 @@ class TPContext:
             else:
                 dist.all_reduce(x, group=self.group)
         return x
+
+    def gemm_all_reduce(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Row-parallel linear: ``all_reduce(x @ w.T) (+ bias)``, the bias added once after the sum.
+
+        Shapes: x ``[..., K_local]``, w ``[N, K_local]``, bias ``[N]`` or None (one dtype).
+        Returns ``[..., N]`` in x's dtype, identical on every rank. With ``shm`` the GEMM is fused
+        with the shared-memory all-reduce (tile results are sent as soon as they are computed);
+        otherwise ``F.linear`` then :meth:`all_reduce`. Same semantics as
+        :func:`swiftspec.ops.reference.gemm_all_reduce`.
+        """
+        if self.size > 1 and self.shm is not None:
+            lead = x.shape[:-1]
+            y = self.shm.gemm_all_reduce(x.reshape(-1, x.shape[-1]), w, bias)
+            return y.view(*lead, y.shape[-1])
+        y = self.all_reduce(F.linear(x, w))
+        return y if bias is None else y + bias
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension, in rank order.
@@ -64,24 +92,56 @@ def free_tcp_port() -> int:
 
 
 def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
-               timeout_s: float = 60.0) -> list[TPContext | None]:
+               timeout_s: float = 60.0, *, shm_comm: bool = False) -> list[TPContext | None]:
     """Join the torch.distributed world and build one TP group per entry of ``groups``.
 
     Every process must call this with the same ``groups`` (torch.distributed requires all ranks
     to take part in creating every subgroup). Returns, for each entry, this rank's TPContext, or
     None when this rank is not a member.
 
+    With ``shm_comm`` (CPU only), every group of two or more ranks whose ranks all run on one host
+    and can load the CPU extension gets a shared-memory communicator (``TPContext.shm``, waiting
+    at most ``timeout_s`` for a peer); other groups keep gloo, with a warning.
+
     Raises:
-        RuntimeError: the rendezvous did not complete within ``timeout_s`` seconds.
+        RuntimeError: the rendezvous did not complete within ``timeout_s`` seconds, or shared
+            memory could not be set up.
     """
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    pgs = [dist.new_group(members, backend=backend) if len(members) > 1 else None for members in groups]
     out: list[TPContext | None] = []
-    for members in groups:
-        pg = dist.new_group(members, backend=backend) if len(members) > 1 else None
-        if rank in members:
-            out.append(TPContext(rank=members.index(rank), size=len(members), group=pg))
-        else:
+    for members, pg in zip(groups, pgs):
+        if rank not in members:
             out.append(None)
+            continue
+        shm = None
+        if shm_comm and backend == "gloo" and len(members) > 1:
+            # collective over the group's members only, in the order of `groups` on every rank
+            shm = _group_shm(pg, members.index(rank), len(members), timeout_s)
+        out.append(TPContext(rank=members.index(rank), size=len(members), group=pg, shm=shm))
     return out
+
+
+def _group_shm(pg, rank: int, size: int, timeout_s: float):
+    """A ShmCommunicator for the group, or None when its ranks are not all on one host or some
+    rank cannot load the CPU extension (every rank reaches the same decision)."""
+    from swiftspec.comm import ShmCommunicator
+    from swiftspec.ops import cpu
+
+    try:
+        cpu.load()
+        err = None
+    except cpu.KernelBuildError as e:
+        err = str(e).splitlines()[0]
+    infos = [None] * size
+    dist.all_gather_object(infos, (socket.gethostname(), err), group=pg)
+    if len({host for host, _ in infos}) > 1:
+        warnings.warn("shm_comm: the TP group spans several hosts; using gloo", stacklevel=3)
+        return None
+    failed = [(r, e) for r, (_, e) in enumerate(infos) if e is not None]
+    if failed:
+        warnings.warn(f"shm_comm: the CPU extension is unavailable on ranks {failed}; using gloo", stacklevel=3)
+        return None
+    return ShmCommunicator.create(pg, rank, size, timeout_s=timeout_s)

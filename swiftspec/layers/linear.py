@@ -250,5 +250,9 @@ class RowParallelLinear(LinearBase):
         self.row_absmax = None
 
     def forward(self, x):
-        y = self.tp.all_reduce(self.matmul(x))
-        return y if self.bias is None else y + self.bias
+        if hasattr(self, "qweight"):  # int8: torch's int8 matmul, then the all-reduce
+            y = self.tp.all_reduce(self.matmul(x))
+            return y if self.bias is None else y + self.bias
+        # the GEMM fused with the all-reduce when the group has a shared-memory communicator;
+        # either way the bias is added once, after the reduction
+        return self.tp.gemm_all_reduce(x, self.weight, self.bias)
