@@ -85,3 +85,174 @@ def test_swiglu_bad_input(ops):
         if "avx512_bf16" not in ops._swiglu_impls():
             raise RuntimeError("needs bfloat16 (not compiled here)")
         ops._swiglu_impl(x, w, "avx512_bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree attention
+
+def _rope_tables(d: int, p: int = 4096, theta: float = 10000.0):
+    from swiftspec.layers.rotary import RotaryEmbedding
+    rope = RotaryEmbedding(d, p, theta)
+    return rope.cos, rope.sin
+
+
+def _tree_mask(n: int, S: int, prefix: int, g: torch.Generator) -> torch.Tensor:
+    """Draft-expansion-like mask: the prefix visible to all, a random tree over the tail where each
+    query sees its ancestors (parent index < own index) and itself at slot prefix + i."""
+    tree = S - prefix
+    parent = [-1] + [int(torch.randint(0, max(1, i), (1,), generator=g)) for i in range(1, tree)]
+    m = torch.zeros(n, S, dtype=torch.bool)
+    m[:, :prefix] = True
+    for i in range(n):
+        node = tree - n + i  # queries are the last n nodes of the tree
+        while node >= 0:
+            m[i, prefix + node] = True
+            node = parent[node]
+    return m
+
+
+def _attn_case(n, hq, hk, d, S, C, dtype, mask, seed=0, drop_slots=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, hq, d, generator=g).to(dtype)
+    k_new = torch.randn(n, hk, d, generator=g).to(dtype)
+    v_new = torch.randn(n, hk, d, generator=g).to(dtype)
+    k_cache = torch.randn(hk, C, d, generator=g).to(dtype)
+    v_cache = torch.randn(hk, C, d, generator=g).to(dtype)
+    # new tokens go to the last slots below S (they attend to themselves), some are padding (-1)
+    slots = torch.arange(S - n, S) if S >= n else torch.randperm(C, generator=g)[:n]
+    if drop_slots:
+        slots = slots.clone()
+        slots[torch.rand(n, generator=g) < 0.25] = -1
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    cos, sin = _rope_tables(d)
+    return [q, k_new, v_new, k_cache, v_cache, slots, positions, cos, sin, mask, d ** -0.5]
+
+
+def _check_attention(ops, args, impls=None):
+    q, k_new, v_new, k_cache, v_cache, *rest = args
+    kr, vr = k_cache.clone(), v_cache.clone()
+    want = reference.tree_attention(q, k_new, v_new, kr, vr, *rest)
+    fp32 = q.dtype == torch.float32
+    for impl in impls or ["auto", *ops._tree_attention_impls()]:
+        kc, vc = k_cache.clone(), v_cache.clone()
+        got = ops._tree_attention_impl(q, k_new, v_new, kc, vc, *rest, impl)
+        assert got.dtype == q.dtype and got.shape == want.shape, impl
+        assert not got.isnan().any(), impl
+        # RoPE is computed with the reference's fp32 roundings: the caches match bit for bit.
+        assert torch.equal(kc, kr) and torch.equal(vc, vr), f"{impl}: cache contents differ"
+        if fp32:
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=impl)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=impl)
+    return want
+
+
+SHAPES = [  # (n, Hq, Hk, D, S, C): GQA 1 and 6, D 64/128 and odd-sized heads, S over several splits
+    (1, 12, 2, 128, 77, 100),
+    (5, 12, 2, 64, 700, 720),
+    (8, 14, 2, 64, 513, 513),
+    (8, 4, 4, 128, 300, 333),
+    (16, 6, 1, 6, 290, 300),
+    (40, 12, 2, 34, 450, 460),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}_hq{}_hk{}_d{}_S{}".format(*s[:5]))
+@pytest.mark.parametrize("kind", ["random", "tree"])
+def test_tree_attention_matches_reference(ops, dtype, shape, kind):
+    n, hq, hk, d, S, C = shape
+    g = torch.Generator().manual_seed(n * 7 + S)
+    if kind == "random":
+        mask = torch.rand(n, S, generator=g) < 0.4
+        mask[n // 2] = False  # a row that sees nothing returns zeros
+    else:
+        mask = _tree_mask(n, S, prefix=S - max(n, min(S, 60)), g=g)
+    want = _check_attention(ops, _attn_case(n, hq, hk, d, S, C, dtype, mask, seed=S))
+    if kind == "random":
+        assert bool((want.view(n, -1)[n // 2] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_split_fully_masked(ops, dtype):
+    """Rows that see keys in only one split, one split seen by nobody, rows seeing a single key:
+    the (m = -inf, l = 0) partials must contribute nothing."""
+    n, S = 6, 900
+    mask = torch.zeros(n, S, dtype=torch.bool)
+    mask[0, :200] = True            # first split only
+    mask[1, 700:] = True            # last split only
+    mask[2, 123] = True             # one key
+    mask[3] = True                  # everything
+    mask[4, ::97] = True            # sparse across splits
+    mask[:, 300:600] = False        # a middle split nobody sees ...
+    mask[5, 450] = True             # ... except one key for one row
+    args = _attn_case(n, 12, 2, 128, S, S, dtype, mask, seed=3)
+    old = torch.get_num_threads()
+    try:
+        for t in (1, 2):  # the split count depends on the thread count
+            torch.set_num_threads(t)
+            _check_attention(ops, args)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_tree_attention_all_masked_and_empty_prefix(ops):
+    n, S = 4, 40
+    args = _attn_case(n, 4, 2, 64, S, 48, torch.float32, torch.zeros(n, S, dtype=torch.bool))
+    want = _check_attention(ops, args)
+    assert bool((want == 0).all())
+    # S = 0: nothing to attend to, the new keys are still rotated and written
+    args = _attn_case(n, 4, 2, 64, 0, 8, torch.float32, torch.zeros(n, 0, dtype=torch.bool), drop_slots=False)
+    assert bool((_check_attention(ops, args) == 0).all())
+
+
+def test_tree_attention_noncontiguous_inputs(ops):
+    n, hq, hk, d, S = 8, 12, 2, 64, 200
+    mask = torch.rand(S, n) < 0.7  # transposed view below
+    args = _attn_case(n, hq, hk, d, S, S, torch.float32, mask.t())
+    args[0] = torch.randn(hq, n, d).transpose(0, 1)  # q as a view
+    _check_attention(ops, args)
+
+
+def test_tree_attention_bad_input(ops):
+    n, hq, hk, d, S, C = 4, 4, 2, 64, 30, 32
+    args = _attn_case(n, hq, hk, d, S, C, torch.float32, torch.ones(n, S, dtype=torch.bool), drop_slots=False)
+
+    def call(**over):
+        names = ["q", "k_new", "v_new", "k_cache", "v_cache", "slots", "positions", "cos", "sin", "mask", "scale"]
+        a = dict(zip(names, args))
+        a.update(over)
+        return ops.tree_attention(*[a[k] for k in names])
+
+    with pytest.raises(RuntimeError, match="dtype"):
+        call(k_new=args[1].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        call(q=args[0].double())
+    with pytest.raises(RuntimeError, match="S = 40"):
+        call(mask=torch.ones(n, 40, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="multiple of Hk"):
+        call(q=torch.randn(n, 3, d))
+    with pytest.raises(RuntimeError, match="k_new must be"):
+        call(k_new=torch.randn(n + 1, hk, d))
+    with pytest.raises(RuntimeError, match="v_new"):
+        call(v_new=torch.randn(n, hk, d - 2))
+    with pytest.raises(RuntimeError, match="k_cache must be"):
+        call(k_cache=torch.randn(hk + 1, C, d))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        call(k_cache=torch.randn(hk, d, C).transpose(1, 2))
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        call(mask=torch.ones(n, S))
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        call(slots=args[5].int())
+    with pytest.raises(RuntimeError, match="cos_table"):
+        call(cos=args[7][:, :d // 2])
+    with pytest.raises(RuntimeError, match="positions"):
+        call(positions=torch.full((n,), 10 ** 6))
+    with pytest.raises(RuntimeError, match="slots"):
+        call(slots=torch.full((n,), C))
+    with pytest.raises(RuntimeError, match="even"):
+        call(q=torch.randn(n, hq, 5), k_new=torch.randn(n, hk, 5), v_new=torch.randn(n, hk, 5),
+             k_cache=torch.randn(hk, C, 5), v_cache=torch.randn(hk, C, 5), cos=torch.randn(10, 5),
+             sin=torch.randn(10, 5))
+    with pytest.raises(RuntimeError, match="unknown impl"):
+        ops._tree_attention_impl(*args, "nope")
