@@ -36,6 +36,9 @@ constexpr int64_t kSkinnyMaxRows = 16;
 constexpr int64_t kColTile = 64;
 // Rows handled by one register-blocked pass (2 * 8 accumulators + operands fit 32 zmm).
 constexpr int kMaxBlockRows = 8;
+// Columns swept by both row blocks before moving on when M > 8: their weights stay in L2 for the
+// second block (measured: 4 or fewer columns per sweep hurt the prefetching and were slower).
+constexpr int64_t kTwoPassCols = 32;
 
 enum class Impl { kScalar, kAvx512, kAvx512Bf16 };
 
@@ -68,34 +71,31 @@ struct Sums {
 // ----------------------------------------------------------------------------------------------
 // Scalar kernels (any CPU; also the oracle of the SIMD kernels' blocking in the tests).
 struct ScalarKernel {
-  template <int MB, int KU>
+  template <int MB, int KU>  // KU (accumulator sets) only matters to the SIMD kernels
   static void run(const Job& j, int64_t m0, int64_t n, Sums s, int64_t col) {
     const int64_t K = j.K;
     for (int m = 0; m < MB; ++m) {
-      {
-        constexpr int c = 0;
-        float ag = 0.f, au = 0.f;
-        if (j.bf16) {
-          const auto* x = static_cast<const uint16_t*>(j.x) + (m0 + m) * K;
-          const auto* wg = static_cast<const uint16_t*>(j.w) + (n + c) * K;
-          const auto* wu = static_cast<const uint16_t*>(j.w) + (j.I + n + c) * K;
-          for (int64_t k = 0; k < K; ++k) {
-            const float xv = bf16_bits_to_float(x[k]);
-            ag += bf16_bits_to_float(wg[k]) * xv;
-            au += bf16_bits_to_float(wu[k]) * xv;
-          }
-        } else {
-          const auto* x = static_cast<const float*>(j.x) + (m0 + m) * K;
-          const auto* wg = static_cast<const float*>(j.w) + (n + c) * K;
-          const auto* wu = static_cast<const float*>(j.w) + (j.I + n + c) * K;
-          for (int64_t k = 0; k < K; ++k) {
-            ag += wg[k] * x[k];
-            au += wu[k] * x[k];
-          }
+      float ag = 0.f, au = 0.f;
+      if (j.bf16) {
+        const auto* x = static_cast<const uint16_t*>(j.x) + (m0 + m) * K;
+        const auto* wg = static_cast<const uint16_t*>(j.w) + n * K;
+        const auto* wu = static_cast<const uint16_t*>(j.w) + (j.I + n) * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const float xv = bf16_bits_to_float(x[k]);
+          ag += bf16_bits_to_float(wg[k]) * xv;
+          au += bf16_bits_to_float(wu[k]) * xv;
         }
-        s.g[(m0 + m) * kColTile + col + c] = ag;
-        s.u[(m0 + m) * kColTile + col + c] = au;
+      } else {
+        const auto* x = static_cast<const float*>(j.x) + (m0 + m) * K;
+        const auto* wg = static_cast<const float*>(j.w) + n * K;
+        const auto* wu = static_cast<const float*>(j.w) + (j.I + n) * K;
+        for (int64_t k = 0; k < K; ++k) {
+          ag += wg[k] * x[k];
+          au += wu[k] * x[k];
+        }
       }
+      s.g[(m0 + m) * kColTile + col] = ag;
+      s.u[(m0 + m) * kColTile + col] = au;
     }
   }
 };
@@ -195,10 +195,11 @@ struct Avx512Kernel {
     const auto* x = Ops::x_base(j) + m0 * K;
     const WT* wg = static_cast<const WT*>(j.w) + n * K;
     const WT* wu = static_cast<const WT*>(j.w) + (j.I + n) * K;
-    // Same rows kPrefetchCols columns ahead; past the last column they point into the up half or
-    // past the tensor, which is harmless for a prefetch (it never faults).
-    const char* pg = reinterpret_cast<const char*>(wg + kPrefetchCols * K);
-    const char* pu = reinterpret_cast<const char*>(wu + kPrefetchCols * K);
+    // Same rows kPrefetchCols columns ahead; past the last column the address lies in the up half
+    // or past the tensor, which is harmless for a prefetch (it never faults). Computed as integers:
+    // pointer arithmetic past the allocation would be undefined behaviour.
+    const uintptr_t pg = reinterpret_cast<uintptr_t>(wg) + kPrefetchCols * K * sizeof(WT);
+    const uintptr_t pu = reinterpret_cast<uintptr_t>(wu) + kPrefetchCols * K * sizeof(WT);
     __m512 ag[KU][MB], au[KU][MB];
 #pragma GCC unroll 2
     for (int u = 0; u < KU; ++u) {
@@ -212,8 +213,8 @@ struct Avx512Kernel {
         const int64_t kk = k + u * W;
         const auto vg = Ops::load_w(wg + kk);
         const auto vu = Ops::load_w(wu + kk);
-        _mm_prefetch(pg + kk * sizeof(WT), _MM_HINT_T0);
-        _mm_prefetch(pu + kk * sizeof(WT), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pg + kk * sizeof(WT)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pu + kk * sizeof(WT)), _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
           const auto xv = Ops::load_x(x + m * K + kk);
@@ -301,23 +302,23 @@ void epilogue_avx512(const Job& j, const Sums& s, int64_t n0, int64_t ncols) {
 // Driver: column tiles of one thread's range; rows in register blocks of <= 8.
 
 template <class Kern, int MB, int KU>
-void cols_block(const Job& j, int64_t m0, int64_t n0, int64_t ncols, Sums s) {
-  for (int64_t c = 0; c < ncols; ++c) Kern::template run<MB, KU>(j, m0, n0 + c, s, c);
+void cols_block(const Job& j, int64_t m0, int64_t n0, int64_t c0, int64_t ncols, Sums s) {
+  for (int64_t c = c0; c < c0 + ncols; ++c) Kern::template run<MB, KU>(j, m0, n0 + c, s, c);
 }
 
 // One column at a time (measured: processing 2 or 4 columns together, i.e. more concurrent weight
 // streams, was slower); 1 or 2 rows get a second accumulator set so the FMA latency is hidden.
 template <class Kern>
-void cols_rows(const Job& j, int64_t m0, int mb, int64_t n0, int64_t ncols, Sums s) {
+void cols_rows(const Job& j, int64_t m0, int mb, int64_t n0, int64_t c0, int64_t ncols, Sums s) {
   switch (mb) {
-    case 1: cols_block<Kern, 1, 2>(j, m0, n0, ncols, s); break;
-    case 2: cols_block<Kern, 2, 2>(j, m0, n0, ncols, s); break;
-    case 3: cols_block<Kern, 3, 1>(j, m0, n0, ncols, s); break;
-    case 4: cols_block<Kern, 4, 1>(j, m0, n0, ncols, s); break;
-    case 5: cols_block<Kern, 5, 1>(j, m0, n0, ncols, s); break;
-    case 6: cols_block<Kern, 6, 1>(j, m0, n0, ncols, s); break;
-    case 7: cols_block<Kern, 7, 1>(j, m0, n0, ncols, s); break;
-    case 8: cols_block<Kern, 8, 1>(j, m0, n0, ncols, s); break;
+    case 1: cols_block<Kern, 1, 2>(j, m0, n0, c0, ncols, s); break;
+    case 2: cols_block<Kern, 2, 2>(j, m0, n0, c0, ncols, s); break;
+    case 3: cols_block<Kern, 3, 1>(j, m0, n0, c0, ncols, s); break;
+    case 4: cols_block<Kern, 4, 1>(j, m0, n0, c0, ncols, s); break;
+    case 5: cols_block<Kern, 5, 1>(j, m0, n0, c0, ncols, s); break;
+    case 6: cols_block<Kern, 6, 1>(j, m0, n0, c0, ncols, s); break;
+    case 7: cols_block<Kern, 7, 1>(j, m0, n0, c0, ncols, s); break;
+    case 8: cols_block<Kern, 8, 1>(j, m0, n0, c0, ncols, s); break;
     default: TORCH_CHECK(false, "swiglu: internal error, row block ", mb);
   }
 }
@@ -328,14 +329,21 @@ void run_range(const Job& j, int64_t begin, int64_t end, bool simd_epilogue) {
   float gbuf[kSkinnyMaxRows * kColTile];
   float ubuf[kSkinnyMaxRows * kColTile];
   const Sums s{gbuf, ubuf};
-  // Rows 9..16 run as two register blocks over the same column; the second pass re-reads the two
-  // weight rows from L1, not memory.
+  // Rows 9..16 run as two register blocks over the same few columns, so the second pass re-reads
+  // those weight rows from L2 instead of memory.
   const int nblk = j.M <= kMaxBlockRows ? 1 : 2;
   const int mb0 = static_cast<int>((j.M + nblk - 1) / nblk);
   for (int64_t n0 = begin; n0 < end; n0 += kColTile) {
     const int64_t ncols = std::min(kColTile, end - n0);
-    cols_rows<Kern>(j, 0, mb0, n0, ncols, s);
-    if (nblk == 2) cols_rows<Kern>(j, mb0, static_cast<int>(j.M) - mb0, n0, ncols, s);
+    if (nblk == 1) {
+      cols_rows<Kern>(j, 0, mb0, n0, 0, ncols, s);
+    } else {
+      for (int64_t c0 = 0; c0 < ncols; c0 += kTwoPassCols) {
+        const int64_t nc = std::min(kTwoPassCols, ncols - c0);
+        cols_rows<Kern>(j, 0, mb0, n0, c0, nc, s);
+        cols_rows<Kern>(j, mb0, static_cast<int>(j.M) - mb0, n0, c0, nc, s);
+      }
+    }
 #ifdef SWIFTSPEC_SWIGLU_AVX512
     if (simd_epilogue) {
       epilogue_avx512(j, s, n0, ncols);
