@@ -87,7 +87,7 @@ constexpr uint32_t kLayoutVersion = 1;
 constexpr int64_t kLine = 64;
 
 // Spin phases of a waiting reader (see wait_slow).
-constexpr int64_t kPauseSpins = 4096;       // ~ tens of microseconds of _mm_pause
+constexpr int64_t kPauseSpins = 1024;       // ~30 us of _mm_pause (~25-40 ns each), then yield
 constexpr int64_t kCheckEvery = 64;         // rounds between clock / abort checks once yielding
 constexpr double kSleepAfterS = 0.02;       // then stop burning a core: short sleeps
 constexpr double kLivenessEveryS = 0.02;    // peer liveness checks (a syscall and a /proc read)
