@@ -127,20 +127,20 @@ def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
 def _group_shm(pg, rank: int, size: int, timeout_s: float):
     """A ShmCommunicator for the group, or None when its ranks are not all on one host or some
     rank cannot load the CPU extension (every rank reaches the same decision)."""
-    from swiftspec.comm import ShmCommunicator
+    from swiftspec.comm import ShmCommunicator, same_host
     from swiftspec.ops import cpu
 
+    if not same_host(pg):
+        warnings.warn("shm_comm: the TP group spans several hosts; using gloo", stacklevel=3)
+        return None
     try:
         cpu.load()
         err = None
     except cpu.KernelBuildError as e:
         err = str(e).splitlines()[0]
-    infos = [None] * size
-    dist.all_gather_object(infos, (socket.gethostname(), err), group=pg)
-    if len({host for host, _ in infos}) > 1:
-        warnings.warn("shm_comm: the TP group spans several hosts; using gloo", stacklevel=3)
-        return None
-    failed = [(r, e) for r, (_, e) in enumerate(infos) if e is not None]
+    errs = [None] * size
+    dist.all_gather_object(errs, err, group=pg)
+    failed = [(r, e) for r, e in enumerate(errs) if e is not None]
     if failed:
         warnings.warn(f"shm_comm: the CPU extension is unavailable on ranks {failed}; using gloo", stacklevel=3)
         return None
