@@ -27,7 +27,9 @@ class TPContext:
         rank: rank inside the group, 0 is the group leader.
         size: TP degree (number of processes in the group).
         group: the torch.distributed process group, or None when ``size == 1``.
-        shm: a :class:`swiftspec.comm.ShmCommunicator` for this group, or None (gloo / NCCL).
+        shm: the group's LL communicator, or None (gloo / NCCL): a
+            :class:`swiftspec.comm.ShmCommunicator` on CPU, a
+            :class:`swiftspec.ops.cuda.CudaLLCommunicator` on CUDA (same interface).
     """
 
     rank: int = 0
@@ -99,9 +101,10 @@ def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
     to take part in creating every subgroup). Returns, for each entry, this rank's TPContext, or
     None when this rank is not a member.
 
-    With ``shm_comm`` (CPU only), every group of two or more ranks whose ranks all run on one host
-    and can load the CPU extension gets a shared-memory communicator (``TPContext.shm``, waiting
-    at most ``timeout_s`` for a peer); other groups keep gloo, with a warning.
+    With ``shm_comm``, every group of two or more ranks gets an LL communicator (``TPContext.shm``,
+    waiting at most ``timeout_s`` for a peer): on CPU the shared-memory one when all its ranks run
+    on one host and can load the CPU extension, on CUDA the IPC one; otherwise the group keeps
+    gloo / NCCL, with a warning.
 
     Raises:
         RuntimeError: the rendezvous did not complete within ``timeout_s`` seconds, or shared
@@ -120,8 +123,22 @@ def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
         if shm_comm and backend == "gloo" and len(members) > 1:
             # collective over the group's members only, in the order of `groups` on every rank
             shm = _group_shm(pg, members.index(rank), len(members), timeout_s)
+        elif shm_comm and backend == "nccl" and len(members) > 1:
+            shm = _group_cuda_ll(pg, members.index(rank), len(members), timeout_s)
         out.append(TPContext(rank=members.index(rank), size=len(members), group=pg, shm=shm))
     return out
+
+
+def _group_cuda_ll(pg, rank: int, size: int, timeout_s: float):
+    """The CUDA LL communicator (IPC buffers, csrc/kernels/ll_comm.cu) for the group, or None when
+    it cannot be set up (its constructor is collective: every rank raises alike and keeps NCCL)."""
+    from swiftspec.ops.cuda import CudaLLCommunicator
+
+    try:
+        return CudaLLCommunicator(pg, rank, size, timeout_s=timeout_s)
+    except Exception as e:  # no peer access, build failure, old driver: NCCL still works
+        warnings.warn(f"shm_comm: CUDA LL communicator unavailable ({e}); using NCCL", stacklevel=3)
+        return None
 
 
 def _group_shm(pg, rank: int, size: int, timeout_s: float):

@@ -3,15 +3,19 @@
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja, pybind11,
 OpenMP through ``at::parallel_for``) for the machine it runs on (``-march=native``), into
 ``$SWIFTSPEC_CACHE/build/`` (default ``~/.cache/swiftspec/build``); later loads only check the
-sources' hash. torch's file lock in the build directory makes concurrent first loads (several
-worker processes) safe: one compiles, the others wait.
+sources' hash. Concurrent first loads (several worker processes) take an ``flock`` on the build
+directory: one compiles, the others wait. torch's own lock file is not enough on its own: a process
+killed while holding it leaves the file behind and every later load would wait forever, so it is
+removed while our kernel-released lock is held.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -64,13 +68,41 @@ def load(flag_bits: int | None = None, verbose: bool = False):
     name = "swiftspec_cpu" if flag_bits is None else f"swiftspec_cpu_llflag{flag_bits}"
     defines = [] if flag_bits is None else [f"-DSWIFTSPEC_LL_FLAG_BITS={flag_bits}"]
     cflags = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-unused-function", *defines]
+    bdir = build_dir(name)
     try:
-        return cpp_extension.load(
-            name=name, sources=[str(p) for p in sources()],
-            extra_include_paths=[str(CSRC / "include")], extra_cflags=cflags,
-            extra_ldflags=["-fopenmp", "-lrt"], build_directory=str(build_dir(name)), verbose=verbose)
+        with _exclusive(bdir / "swiftspec.flock", timeout_s=1800):
+            (bdir / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed process
+            return cpp_extension.load(
+                name=name, sources=[str(p) for p in sources()],
+                extra_include_paths=[str(CSRC / "include")], extra_cflags=cflags,
+                extra_ldflags=["-fopenmp", "-lrt"], build_directory=str(bdir), verbose=verbose)
     except Exception as e:  # compiler errors surface as RuntimeError / CalledProcessError / ImportError
         raise KernelBuildError(f"building the CPU kernels ({name}) failed: {e}") from e
+
+
+class _exclusive:
+    """An exclusive ``flock`` on ``path`` (released by the kernel if the holder dies), waiting at
+    most ``timeout_s`` seconds."""
+
+    def __init__(self, path: Path, timeout_s: float):
+        self.path, self.timeout_s = path, timeout_s
+
+    def __enter__(self):
+        self.f = open(self.path, "a+")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.f.close()
+                    raise TimeoutError(f"another process has held {self.path} for {self.timeout_s:.0f} s")
+                time.sleep(0.2)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
 
 
 def available() -> bool:
