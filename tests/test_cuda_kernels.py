@@ -13,8 +13,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-import multiprocessing as mp
-import queue
 import subprocess
 import sys
 import textwrap
@@ -23,6 +21,7 @@ import traceback
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 from swiftspec.ops import reference
 
@@ -446,38 +445,7 @@ def _rank_main(rank, world, port, q):
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs with peer access")
 def test_two_rank_ll_collectives(cuda):
-    from swiftspec.parallel import free_tcp_port
-
-    world = 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_tcp_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, q), daemon=True)
-             for r in range(world)]
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        for p in procs:
-            p.start()
-        replies = {}
-        while len(replies) < world:
-            try:
-                status, rank, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted(set(range(world)) - set(replies))} gave no answer")
-            if status != "ok":
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            replies[rank] = payload
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        q.close()
+    replies = spawn_ranks(_rank_main, 2, (), DEADLINE_S, "LL collectives")
     keys = replies[0].keys()
     assert keys == replies[1].keys()
     for k in keys:

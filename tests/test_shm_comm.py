@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
-import multiprocessing as mp
 import os
-import queue
 import time
 import traceback
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 DEADLINE_S = 240.0  # generous: CI machines are shared and slow
 SIZES = [1, 7, 1000, 4099]
@@ -198,7 +197,7 @@ def _prog_failures(ctx, q):
     return res
 
 
-def _rank_main(rank, world, port, prog, args, q, shm_comm):
+def _rank_main(rank, world, port, prog, args, shm_comm, q):
     try:
         torch.set_num_threads(1)
         from swiftspec.parallel import init_world
@@ -217,39 +216,11 @@ def _rank_main(rank, world, port, prog, args, q, shm_comm):
 def _run_world(world, prog, args=(), shm_comm=True):
     """Run ``_prog_<prog>`` on ``world`` spawned ranks; {rank: result}. Never leaves a process or
     a shared-memory segment behind."""
-    from swiftspec.parallel import free_tcp_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_tcp_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, prog, args, q, shm_comm), daemon=True)
-             for r in range(world)]
-    deadline = time.monotonic() + DEADLINE_S
+    before = set(glob.glob("/dev/shm/swiftspec-*"))
     try:
-        for p in procs:
-            p.start()
-        replies = {}
-        while len(replies) < world:
-            try:
-                status, rank, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"{prog} TP={world}: ranks {sorted(set(range(world)) - set(replies))} gave no answer")
-            if status != "ok":
-                pytest.fail(f"{prog} TP={world} rank {rank} failed:\n{payload}")
-            replies[rank] = payload
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        return replies
+        return spawn_ranks(_rank_main, world, (prog, args, shm_comm), DEADLINE_S, f"{prog} TP")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        q.close()
-        leaked = [f for p in procs for f in glob.glob(f"/dev/shm/swiftspec-{p.pid}-*")]
+        leaked = sorted(set(glob.glob("/dev/shm/swiftspec-*")) - before)
         for f in leaked:
             os.unlink(f)
         assert not leaked, f"shared-memory segments left behind: {leaked}"

@@ -5,15 +5,13 @@ logits; the head layout itself is checked in process.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import time
 import traceback
 
 import pytest
 import torch
 
 from conftest import build_tiny_model
+from ranks import spawn_ranks
 from swiftspec.layers.linear import PAD, gqa_head_layout
 from swiftspec.models import load_model
 
@@ -50,38 +48,8 @@ def _rank_main(rank, world, port, jobs, out):
 def _run_tp(tp, jobs):
     """Run ``jobs`` (model dirs) on ``tp`` spawned ranks; rank 0's list of
     ``(float logits, int8 logits, kv heads local)``. Never leaves a process behind."""
-    from swiftspec.parallel import free_tcp_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_tcp_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, [str(j) for j in jobs], out), daemon=True)
-             for r in range(tp)]
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        for p in procs:
-            p.start()
-        replies = {}
-        while len(replies) < tp:
-            try:
-                status, rank, payload = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"TP={tp} ranks {sorted(set(range(tp)) - set(replies))} gave no answer in time")
-            if status != "ok":
-                pytest.fail(f"TP={tp} rank {rank} failed:\n{payload}")
-            replies[rank] = payload
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        return [(torch.from_numpy(d), torch.from_numpy(q), kv) for d, q, kv in replies[0]]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        out.close()
+    replies = spawn_ranks(_rank_main, tp, ([str(j) for j in jobs],), DEADLINE_S, "TP")
+    return [(torch.from_numpy(d), torch.from_numpy(q), kv) for d, q, kv in replies[0]]
 
 
 def _tp1(model_dir):

@@ -5,6 +5,8 @@ Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (
 ``hf-assisted`` (transformers assisted generation with the draft), ``swiftspec-profiled``
 (async with the ``--config`` written by ``swiftspec profile``), ``llama-cpp`` (llama.cpp on
 the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF).
+``swiftspec-async-nokernels``, ``swiftspec-serial-nokernels`` and ``autoregressive-nokernels`` are
+the same engines with the compiled kernels off (PyTorch ops and gloo only): the kernel ablation.
 
 Every system is started once; prompts are interleaved (prompt i runs on every system before
 prompt i+1) and never run concurrently, so all systems see the same machine state. Greedy
@@ -28,10 +30,12 @@ ABBREV = {"alpaca": "ALP", "gsm8k": "GSM", "humaneval": "HE", "mt_bench": "MT", 
 # SwiftSpec paper, Table 6 (Qwen2-72B target, Qwen2-1.5B draft, 8 GPUs): compression ratio
 PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 3.11, "QA": 2.74, "SUM": 3.56},
                 "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
-SYSTEMS = ("swiftspec-async", "swiftspec-profiled", "swiftspec-serial", "autoregressive", "hf", "hf-assisted",
+SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
+           "swiftspec-serial-nokernels", "autoregressive", "autoregressive-nokernels", "hf", "hf-assisted",
            "llama-cpp")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
-                "autoregressive": "autoregressive"}
+                "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
+                "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive"}
 
 
 def prompts_dir() -> Path:
@@ -66,7 +70,7 @@ class EngineSystem:
         from swiftspec.engine import Engine
 
         mode = ENGINE_MODES[system]
-        kw: dict = dict(mode=mode, dtype=dtype)
+        kw: dict = dict(mode=mode, dtype=dtype, kernels=not system.endswith("-nokernels"))
         if config is None:
             if mode == "async":
                 n_draft = max(1, len(cores) // 4)

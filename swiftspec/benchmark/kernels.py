@@ -69,7 +69,7 @@ class Case:
 
 def _stats(xs: list[float]) -> dict:
     xs = sorted(xs)
-    q = statistics.quantiles(xs, n=10) if len(xs) > 1 else [xs[0]] * 9
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
     return {"median_s": statistics.median(xs), "p10_s": q[0], "p90_s": q[-1], "rounds": len(xs)}
 
 

@@ -1,0 +1,44 @@
+"""Run a function on several spawned ranks (a torch.distributed world over a free TCP port) and
+collect what each rank reports; never leaves a process behind. Used by the TP / collective tests."""
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+
+
+def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, label: str = "") -> dict:
+    """Call ``fn(rank, world, port, *args, q)`` in ``world`` spawned processes. Each rank puts
+    ``("ok", rank, payload)`` or ``("error", rank, traceback)`` on ``q``. Returns {rank: payload};
+    fails the test on an error or when a rank is silent past ``deadline_s`` seconds."""
+    from swiftspec.parallel import free_tcp_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_tcp_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args, q), daemon=True) for r in range(world)]
+    deadline = time.monotonic() + deadline_s
+    try:
+        for p in procs:
+            p.start()
+        replies = {}
+        while len(replies) < world:
+            try:
+                status, rank, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"{label} world={world}: ranks {sorted(set(range(world)) - set(replies))} gave no answer")
+            if status != "ok":
+                pytest.fail(f"{label} world={world} rank {rank} failed:\n{payload}")
+            replies[rank] = payload
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return replies
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        q.close()
