@@ -2,7 +2,7 @@
 
 Each ``.cu`` is compiled separately (``nvcc -arch=sm_90a -c -Xcompiler -Wall``, through
 ``cuda.build``, which caches the result keyed by the sources' hash) for the production flags and
-for ``-DSWIFTSPEC_LL_FLAG_BITS=2``; the warnings are printed (``pytest -rA`` shows them). The
+for ``-DSWIFTSPEC_LL_FLAG_BITS=2``; the warnings are printed and raised as pytest warnings (the CI log's warnings summary shows them). The
 shared library must load with ctypes and export every function of ``api.h``; on a machine
 without a GPU a call that needs one must come back as a clear CudaKernelError. The PTX of the LL
 file must use the volatile vector loads / stores of the LL protocol.
@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -56,6 +57,8 @@ def test_every_source_compiles_separately(builds, flag_bits):
         print(f"[flag_bits={flag_bits}] {name}: {'no warnings' if not text else 'warnings:'}")
         if text:
             print(text)
+            # a pytest warning, so the CI log's warnings summary shows nvcc's warnings
+            warnings.warn(f"nvcc warnings in {name} (flag_bits={flag_bits}):\n{text}", UserWarning)
     assert res.path.is_file() and res.path.name == cuda.LIB_NAME
     # the atomic write leaves no temporary directories behind
     assert not list(res.path.parent.glob(".tmp-*"))
