@@ -30,9 +30,10 @@
 // of step (different op sequences or shapes).
 //
 // Fused GEMM + all-reduce: the local partial product of the row-parallel linear is computed tile by
-// tile of output columns (at::mm per tile, which keeps oneDNN/MKL's GEMM speed) and every finished
-// tile is pushed right away, so faster peers can reduce early tiles while later ones compute; then
-// every tile is reduced in rank order and the bias added once, after the reduction.
+// tile of output columns and every finished tile is pushed right away, so faster peers can reduce
+// early tiles while later ones compute; then every tile is reduced in rank order and the bias added
+// once, after the reduction. A tile's GEMM is the weight-streaming skinny core (skinny_gemm.h, the
+// kernel of ops.linear) for decode-sized M <= 16 in fp32 / bf16, else at::mm (oneDNN / MKL).
 //
 // Waiting never hangs: spin with _mm_pause, then sched_yield (more ranks than cores), then short
 // sleeps; every few dozen rounds check the clock, whether the peer closed its communicator and
@@ -77,6 +78,7 @@
 #define SWIFTSPEC_PAUSE() ((void)0)
 #endif
 
+#include "skinny_gemm.h"
 #include "swiftspec/ll_protocol.h"
 
 namespace swiftspec {
@@ -100,6 +102,28 @@ constexpr int64_t kBlock = 256;
 // Fused GEMM: at most this many column tiles, each at least kMinTileCols wide.
 constexpr int64_t kMaxTiles = 8;
 constexpr int64_t kMinTileCols = 64;
+
+// out = x @ w[n0 : n0 + cols].T rounded to x's dtype (as at::mm). x [rows, K] and w [N, K]
+// contiguous, out [rows, cols] with contiguous rows. rows <= skinny::kMaxRows in fp32 / bf16 runs
+// the skinny core (parallel over the tile's columns), anything else at::mm_out.
+void tile_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n0, int64_t cols, at::Tensor& out) {
+  const at::ScalarType t = x.scalar_type();
+  if (x.size(0) > skinny::kMaxRows || (t != at::kFloat && t != at::kBFloat16)) {
+    at::mm_out(out, x, w.narrow(0, n0, cols).t());
+    return;
+  }
+  const bool bf16 = t == at::kBFloat16;
+  skinny::Problem<1> p;
+  p.x = x.data_ptr();
+  p.ldx = x.size(1);
+  p.w[0] = w.data_ptr();
+  p.ldw = w.size(1);
+  p.M = x.size(0);
+  p.K = x.size(1);
+  p.bf16 = bf16;
+  skinny::gemm(skinny::best_impl(bf16), p, n0, n0 + cols,
+               skinny::StoreEpilogue{out.data_ptr(), out.stride(0), n0, nullptr, bf16});
+}
 
 struct alignas(64) SegmentHeader {
   uint64_t magic;
@@ -324,7 +348,7 @@ class ShmComm {
     const char* bias_base = static_cast<const char*>(bias_ptr);
     if (size_ == 1) {
       // nothing to exchange, but the same float operations as the fused path
-      at::mm_out(out, x, w.t());
+      tile_gemm(x, w, 0, N, out);
       if (bias_ptr != nullptr) {
         std::vector<Segment> segs;
         for (int64_t r = 0; r < M; ++r) {
@@ -347,7 +371,8 @@ class ShmComm {
           int64_t word_off = 0;
           for (int64_t t = t0; t < t1; ++t) {
             const int64_t n0 = t * nt, cols = std::min(nt, N - n0);
-            at::Tensor part = at::mm(xr, w.narrow(0, n0, cols).t());
+            at::Tensor part = at::empty({rows, cols}, x.options());
+            tile_gemm(xr, w, n0, cols, part);
             TORCH_INTERNAL_ASSERT(part.is_contiguous());
             const char* pbase = static_cast<const char*>(part.data_ptr());
             const size_t first = segs.size();

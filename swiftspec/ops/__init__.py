@@ -80,6 +80,31 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(x, w_gate_up)
 
 
+# Rows up to which the CPU twin's weight-streaming kernel runs (csrc/cpu/skinny_gemm.h kMaxRows);
+# above it F.linear's GEMM reuses the weights better.
+_SKINNY_MAX_ROWS = 16
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear layer ``x @ w.T (+ bias)``; see :func:`reference.linear` (``F.linear``).
+
+    Shapes: x ``[..., K]`` (any leading dimensions, any strides), w ``[N, K]``, bias ``[N]`` or
+    None, one dtype. Returns ``[..., N]`` in x's dtype. On the "cpu" backend, fp32 / bf16 with at
+    most 16 rows (decode) run the weight-streaming CPU twin (fp32 accumulation, bias added before
+    the one rounding); anything else, and anything that needs autograd, is ``F.linear``.
+    Raises RuntimeError (from the twin or F.linear) on mismatched dtypes or shapes.
+    """
+    if (backend(x) == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and w.dtype == x.dtype
+            and w.dim() == 2 and x.dim() >= 1 and (bias is None or bias.dtype == x.dtype)
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
+        x2 = x.unsqueeze(0) if x.dim() == 1 else x.flatten(0, -2)
+        if x2.shape[0] <= _SKINNY_MAX_ROWS:
+            y = _cpu_module().linear(x2, w, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, w, bias)
+
+
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
                    scale: float) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see

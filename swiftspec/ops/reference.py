@@ -20,6 +20,16 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear layer ``x @ w.T (+ bias)``: exactly ``F.linear``.
+
+    Shapes: x ``[..., K]``; w ``[N, K]``; bias ``[N]`` or None; one dtype. Returns ``[..., N]`` in
+    x's dtype. The CPU twin (``csrc/cpu/linear.cpp``) accumulates in float32 and adds the bias
+    before its one rounding, so it matches this to float32 rounding (fp32) or one bf16 rounding.
+    """
+    return F.linear(x, w, bias)
+
+
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x ``[n, H, D]``; cos, sin ``[n, D]`` float32. Returns x's dtype."""
     h = x.shape[-1] // 2

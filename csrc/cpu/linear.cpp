@@ -1,0 +1,117 @@
+// Plain linear layer y = x @ w^T (+ bias), the CPU twin every decode-time projection uses (QKV,
+// o_proj, down_proj, the LM head; swiftspec.ops.linear, reference.linear = F.linear).
+//
+// At decode time x has M <= 16 rows, the layer is bound by streaming w once, and the
+// weight-streaming core of skinny_gemm.h (one weight stream, the store epilogue) beats a GEMM
+// library's packed/blocked GEMM (DESIGN.md section 6). Above 16 rows, or for dtypes other than
+// fp32/bf16, or a weight whose rows are not contiguous, at::linear is used unchanged.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "skinny_gemm.h"
+
+namespace swiftspec {
+namespace {
+
+using skinny::Impl;
+
+void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear: x and w must be CPU tensors, got ",
+              x.device(), " and ", w.device());
+  TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(w.dim() == 2, "linear: w must be [N, K], got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear: w dtype ", w.scalar_type(), " differs from x dtype ",
+              x.scalar_type());
+  TORCH_CHECK(w.size(1) == x.size(1), "linear: K mismatch, x is ", x.sizes(), " and w is ", w.sizes());
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.device().is_cpu(), "linear: bias must be a CPU tensor, got ", b.device());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "linear: bias must be [N] = [", w.size(0), "], got ",
+                b.sizes());
+    TORCH_CHECK(b.scalar_type() == x.scalar_type(), "linear: bias dtype ", b.scalar_type(),
+                " differs from x dtype ", x.scalar_type());
+  }
+}
+
+at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       Impl impl) {
+  check_inputs(x_in, w, bias);
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w.size(0);
+  const bool fits = x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16;
+  // The kernel reads rows through a row stride, so only the elements inside a row must be
+  // contiguous. A weight laid out otherwise (a transposed view) is left to at::linear rather than
+  // copied on every call.
+  const bool w_rows = K <= 1 || w.stride(1) == 1;
+  if (M > skinny::kMaxRows || !fits || !w_rows) return at::linear(x_in, w, bias);
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!(impl == Impl::kAvx512Bf16 && !bf16), "linear: impl avx512_bf16 needs bfloat16 inputs");
+
+  const at::Tensor x = (K <= 1 || x_in.stride(1) == 1) ? x_in : x_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  // The bias is added to the fp32 sums before the one rounding; converted once per call.
+  std::vector<float> bias_f;
+  if (bias.has_value()) {
+    const at::Tensor b = bias->contiguous();
+    bias_f.resize(static_cast<size_t>(N));
+    if (bf16) {
+      const auto* bb = static_cast<const uint16_t*>(b.data_ptr());
+      for (int64_t n = 0; n < N; ++n) bias_f[n] = skinny::bf16_bits_to_float(bb[n]);
+    } else {
+      const auto* bb = static_cast<const float*>(b.data_ptr());
+      for (int64_t n = 0; n < N; ++n) bias_f[n] = bb[n];
+    }
+  }
+  skinny::Problem<1> p;
+  p.x = x.data_ptr();
+  p.ldx = x.stride(0);
+  p.w[0] = w.data_ptr();
+  p.ldw = w.stride(0);
+  p.M = M;
+  p.K = K;
+  p.bf16 = bf16;
+  const skinny::StoreEpilogue epi{out.data_ptr(), N, 0, bias_f.empty() ? nullptr : bias_f.data(), bf16};
+  skinny::gemm(impl, p, 0, N, epi);
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return linear_impl(x, w, bias, skinny::best_impl(x.scalar_type() == at::kBFloat16));
+}
+
+at::Tensor linear_with_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                            const std::string& name) {
+  return linear_impl(x, w, bias, skinny::impl_from_name(name, x.scalar_type() == at::kBFloat16, "linear"));
+}
+
+}  // namespace
+
+void register_linear(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
+        R"doc(Linear layer x @ w.T (+ bias), the CPU twin of reference.linear (F.linear).
+
+x: [M, K] float32 or bfloat16 (any strides); w: [N, K], same dtype, elements of a row contiguous
+(any row stride, e.g. w[:limit] of a bigger table); bias: [N] of that dtype or None. Returns a new
+[M, N] tensor in x's dtype. M <= 16 runs the weight-streaming skinny GEMM (fp32 accumulation, the
+bias added in fp32, one rounding to the output dtype), parallel over output columns with
+at::parallel_for; M > 16, other dtypes (float16, float64) or a weight with non-contiguous rows use
+at::linear. Releases the GIL.
+Raises RuntimeError on non-CPU tensors, wrong ranks, mismatched dtypes, K or bias shape.)doc",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_linear_impl", &linear_with_impl, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("impl"),
+        "Test hook: linear with a forced inner kernel ('auto', 'scalar', 'avx512', 'avx512_bf16'; "
+        "see _linear_impls()). Raises RuntimeError for an impl not compiled in this build.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_linear_impls", &skinny::compiled_impls,
+        "Test hook: names of the linear inner kernels compiled in this build.");
+}
+
+}  // namespace swiftspec
