@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swiftspec import ops
 from swiftspec.layers.quant import int8_linear, quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
@@ -63,7 +64,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if hasattr(self, "qweight"):
             logits = int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
         else:
-            logits = F.linear(h, self.weight[:n_local]).float()
+            # rows [0, n_local) of the row-major [shard, hidden] table: a contiguous weight
+            logits = ops.linear(h, self.weight[:n_local]).float()
         if self.tp.size == 1:
             return logits
         if n_local < self.shard:  # equal shapes for the all-gather; padded ids are cut below

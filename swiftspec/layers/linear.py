@@ -15,9 +15,9 @@ Megatron's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from swiftspec import ops
 from swiftspec.layers.quant import int8_linear, quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
@@ -135,15 +135,20 @@ class LinearBase(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` with whichever weight this layer holds (no bias, no communication)."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` with whichever weight this layer holds (no communication).
+
+        Float weights go through :func:`swiftspec.ops.linear` (the CPU skinny-GEMM twin at decode
+        sizes, which adds ``bias`` before its one rounding); int8 weights through
+        :func:`int8_linear`, with ``bias`` added afterwards.
+        """
         if hasattr(self, "qweight"):
-            return int8_linear(x, self.qweight, self.scales)
-        return F.linear(x, self.weight)
+            y = int8_linear(x, self.qweight, self.scales)
+            return y if bias is None else y + bias
+        return ops.linear(x, self.weight, bias)
 
     def forward(self, x):
-        y = self.matmul(x)
-        return y if self.bias is None else y + self.bias
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -250,9 +255,11 @@ class RowParallelLinear(LinearBase):
         self.row_absmax = None
 
     def forward(self, x):
-        if hasattr(self, "qweight"):  # int8: torch's int8 matmul, then the all-reduce
+        if self.tp.size == 1:  # nothing to reduce: the bias goes into the GEMM (one rounding)
+            return self.matmul(x, self.bias)
+        if hasattr(self, "qweight") or self.tp.shm is None:
+            # int8, or no shared-memory communicator: the local GEMM, the all-reduce, the bias once
             y = self.tp.all_reduce(self.matmul(x))
             return y if self.bias is None else y + self.bias
-        # the GEMM fused with the all-reduce when the group has a shared-memory communicator;
-        # either way the bias is added once, after the reduction
+        # the GEMM fused with the shared-memory all-reduce; the bias is added once, after it
         return self.tp.gemm_all_reduce(x, self.weight, self.bias)
