@@ -34,8 +34,9 @@ def test_cpu_backend_is_chosen_and_the_switch_turns_it_off():
 
 
 def test_backends_agree_with_the_reference():
-    w = torch.randn(2 * 37, 100)
-    xs = torch.randn(3, 100)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2 * 37, 100, generator=g) / 10  # unit-scale outputs: atol 1e-5 is meaningful
+    xs = torch.randn(3, 100, generator=g)
     outs = {}
     for on in (True, False):
         ops.set_kernels(on)

@@ -12,6 +12,7 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
 - ``gemm_ar``: the fused GEMM + all-reduce vs ``x @ w.T`` then gloo all-reduce, TP = 2, batch 8;
 - ``swiglu``: the fused SwiGLU vs PyTorch's best arrangement (one concatenated gate/up matmul, then
   SiLU * mul) and vs two separate matmuls, batch 1 and 8;
+- ``linear``: the skinny-GEMM linear layer (QKV, o_proj, down_proj) vs ``F.linear``;
 - ``attention``: the tree attention (RoPE fused) vs RoPE + ``F.scaled_dot_product_attention`` with a
   materialized mask, 8 queries over 500 / 1000 cached keys.
 
@@ -120,6 +121,32 @@ def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODEL
                     c = Case("swiglu", f"{name} TP{tp} M={m} K={hidden} I={i_local}", str(dtype)[6:], threads,
                              t.pop("ours"), t)
                     cases.append(c)
+    return cases
+
+
+# ---- linear ------------------------------------------------------------------------------
+def linear_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS)) -> list[Case]:
+    """The decode-time linear layers (skinny GEMM, M <= 16) of each model at TP 1: QKV, o_proj,
+    down_proj; ours vs ``F.linear`` (oneDNN on CPU, cuBLAS on CUDA)."""
+    from swiftspec import ops
+
+    cases = []
+    for dtype in dtypes:
+        for name in models:
+            hidden, inter, hq, hk, d = MODELS[name]
+            for what, k, n in (("qkv", hidden, (hq + 2 * hk) * d), ("o_proj", hq * d, hidden),
+                               ("down_proj", inter, hidden)):
+                if n * k * dtype.itemsize > MAX_WEIGHT_BYTES:
+                    continue
+                w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+                for m in (1, 8):
+                    x = torch.randn(m, k, dtype=dtype, device=device)
+                    for threads in threads_list:
+                        torch.set_num_threads(threads)
+                        fns = {"ours": lambda: ops.linear(x, w), "F.linear": lambda: F.linear(x, w)}
+                        t = time_interleaved(fns, rounds, iters, _sync(device))
+                        cases.append(Case("linear", f"{name} {what} M={m} K={k} N={n}", str(dtype)[6:], threads,
+                                          t.pop("ours"), t))
     return cases
 
 
@@ -293,8 +320,8 @@ def machine() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["allreduce", "gemm_ar", "swiglu", "attention"],
-                    choices=["allreduce", "gemm_ar", "swiglu", "attention"])
+    ap.add_argument("--ops", nargs="+", default=["allreduce", "gemm_ar", "swiglu", "linear", "attention"],
+                    choices=["allreduce", "gemm_ar", "swiglu", "linear", "attention"])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op threads (CPU)")
     ap.add_argument("--rounds", type=int, default=9, help="alternating rounds per case")
@@ -317,6 +344,8 @@ def main(argv=None) -> int:
         cases += comm_cases([o for o in args.ops if o in ("allreduce", "gemm_ar")], dtypes, args.rounds, args.iters)
     if "swiglu" in args.ops:
         cases += swiglu_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
+    if "linear" in args.ops:
+        cases += linear_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     if "attention" in args.ops:
         cases += attention_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     probe = torch.empty(0, device=args.device)
