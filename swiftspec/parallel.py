@@ -16,7 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from swiftspec import ops
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,17 @@ class TPContext:
         Shapes: x ``[..., K_local]``, w ``[N, K_local]``, bias ``[N]`` or None (one dtype).
         Returns ``[..., N]`` in x's dtype, identical on every rank. With ``shm`` the GEMM is fused
         with the shared-memory all-reduce (tile results are sent as soon as they are computed);
-        otherwise ``F.linear`` then :meth:`all_reduce`. Same semantics as
+        otherwise :func:`swiftspec.ops.linear` then :meth:`all_reduce` (at size 1 the bias goes into
+        the GEMM). Same semantics as
         :func:`swiftspec.ops.reference.gemm_all_reduce`.
         """
         if self.size > 1 and self.shm is not None:
             lead = x.shape[:-1]
             y = self.shm.gemm_all_reduce(x.reshape(-1, x.shape[-1]), w, bias)
             return y.view(*lead, y.shape[-1])
-        y = self.all_reduce(F.linear(x, w))
+        if self.size == 1:  # nothing to reduce: the bias goes into the GEMM (one rounding)
+            return ops.linear(x, w, bias)
+        y = self.all_reduce(ops.linear(x, w))
         return y if bias is None else y + bias
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

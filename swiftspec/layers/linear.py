@@ -255,11 +255,7 @@ class RowParallelLinear(LinearBase):
         self.row_absmax = None
 
     def forward(self, x):
-        if self.tp.size == 1:  # nothing to reduce: the bias goes into the GEMM (one rounding)
-            return self.matmul(x, self.bias)
-        if hasattr(self, "qweight") or self.tp.shm is None:
-            # int8, or no shared-memory communicator: the local GEMM, the all-reduce, the bias once
+        if hasattr(self, "qweight"):  # int8: the quantized GEMM, the all-reduce, the bias once
             y = self.tp.all_reduce(self.matmul(x))
             return y if self.bias is None else y + self.bias
-        # the GEMM fused with the shared-memory all-reduce; the bias is added once, after it
         return self.tp.gemm_all_reduce(x, self.weight, self.bias)
