@@ -29,8 +29,9 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -90,16 +91,8 @@ struct Tile {
   bool simd;  // an AVX-512 kernel ran; false for Impl::kScalar, so the tests reach the scalar path
 };
 
-inline float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Round-to-nearest-even, NaN -> canonical quiet NaN: the same rule as c10::BFloat16(float), so the
-// result is what PyTorch's own .to(torch.bfloat16) of our fp32 value would give.
-inline uint16_t float_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
+using vec::bf16_bits_to_float;
+using vec::float_to_bf16_bits;
 
 // ----------------------------------------------------------------------------------------------
 // Scalar kernel (any CPU).

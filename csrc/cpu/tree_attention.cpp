@@ -18,7 +18,7 @@
 // contribute nothing; a row masked everywhere returns zeros.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
+#include "vec_math.h"
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -47,14 +47,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum class Impl { kScalar, kAvx512 };
 
-inline float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-// Round-to-nearest-even, NaN -> 0x7FC0: c10::BFloat16's rule, i.e. what .to(torch.bfloat16) does.
-inline uint16_t float_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
+using vec::bf16_bits_to_float;
+using vec::float_to_bf16_bits;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -245,24 +239,7 @@ inline __m256i f32_to_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
 }
 
-// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, degree-7 Taylor polynomial of e^r (truncation
-// error < 6e-9 relative), exponent applied by vscalefps. Inputs are clamped to [-104, 88.7].
-inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 e = _mm512_set1_ps(1.f / 5040.f);
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(e, n);
-}
+using vec::exp_avx512;
 #endif  // SWIFTSPEC_TREE_ATTN_AVX512
 
 void load_row_f32(const void* base, int64_t off, bool bf16, int64_t D, float* dst) {
