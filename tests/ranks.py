@@ -1,10 +1,12 @@
 """Run a function on several spawned ranks (a torch.distributed world over a free TCP port) and
 collect what each rank reports; never leaves a process behind. Used by the TP / collective tests."""
+import hashlib
 import multiprocessing as mp
 import queue
 import time
 
 import pytest
+import torch
 
 
 def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, label: str = "") -> dict:
@@ -42,3 +44,24 @@ def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, lab
                 p.kill()
                 p.join(timeout=5)
         q.close()
+
+
+def rank_inputs(seed: int, rank: int, shape, dtype):
+    """Rank ``rank``'s deterministic all-reduce input (CPU)."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def rank_sum(xs):
+    """The expected all-reduce result: float32 sum in rank order, rounded once."""
+    acc = xs[0].float()
+    for x in xs[1:]:
+        acc = acc + x.float()
+    return acc.to(xs[0].dtype)
+
+
+def digest(t) -> str:
+    """A hash of a tensor's bits, to check that ranks hold identical results."""
+    t = t.detach().cpu().contiguous()
+    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+    return hashlib.sha1(raw.numpy().tobytes()).hexdigest()

@@ -11,7 +11,6 @@ peer that never answers making the kernel fail instead of hanging.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import digest, rank_inputs, rank_sum, spawn_ranks
 
 from swiftspec.ops import reference
 
@@ -369,23 +368,6 @@ def _two_gpus() -> bool:
     return torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
 
 
-def _inputs(seed, rank, shape, dtype):
-    return (torch.randn(shape, generator=_gen(seed * 1000 + rank))).to(dtype)
-
-
-def _rank_sum(xs):
-    acc = xs[0].float()
-    for x in xs[1:]:
-        acc = acc + x.float()
-    return acc.to(xs[0].dtype)
-
-
-def _digest(t):
-    t = t.detach().cpu().contiguous()
-    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-    return hashlib.sha1(raw.numpy().tobytes()).hexdigest()
-
-
 def _rank_main(rank, world, port, q):
     try:
         import torch.distributed as dist
@@ -404,22 +386,22 @@ def _rank_main(rank, world, port, q):
             # messages would carry a reused flag with 2-bit flags), chunked above 4096 bytes
             for it, n in enumerate([1, 7, 1000, 4099, 3, 5000, 2, 1000, 64, 1] * 3):
                 dtype = DTYPES[it % 3]
-                xs = [_inputs(it, r, (n,), dtype) for r in range(world)]
+                xs = [rank_inputs(it, r, (n,), dtype) for r in range(world)]
                 y = xs[rank].cuda()
                 comm.all_reduce(y)
-                ok = torch.equal(y.cpu(), _rank_sum(xs))
-                results[f"{protocol}/ar{it}"] = (ok, _digest(y))
+                ok = torch.equal(y.cpu(), rank_sum(xs))
+                results[f"{protocol}/ar{it}"] = (ok, digest(y))
             # fused GEMM + all-reduce
             for it, (M, K, N) in enumerate([(1, 64, 5), (5, 100, 33), (16, 256, 300), (3, 1000, 97)]):
                 dtype = DTYPES[it % 3]
-                xs = [_inputs(50 + it, r, (M, K), dtype) for r in range(world)]
-                ws = [_inputs(60 + it, r, (N, K), dtype) * K ** -0.5 for r in range(world)]
+                xs = [rank_inputs(50 + it, r, (M, K), dtype) for r in range(world)]
+                ws = [rank_inputs(60 + it, r, (N, K), dtype) * K ** -0.5 for r in range(world)]
                 ws = [w.to(dtype) for w in ws]
-                bias = _inputs(70 + it, 0, (N,), dtype)
+                bias = rank_inputs(70 + it, 0, (N,), dtype)
                 out = comm.gemm_all_reduce(xs[rank].cuda(), ws[rank].cuda(), bias.cuda())
                 ref = sum(x.float() @ w.float().t() for x, w in zip(xs, ws)) + bias.float()
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
-                results[f"{protocol}/gemm{it}"] = (err < TOL[dtype][0] * 4, _digest(out))
+                results[f"{protocol}/gemm{it}"] = (err < TOL[dtype][0] * 4, digest(out))
             # graph capture + replay of the all-reduce
             x = torch.zeros(777, device="cuda")
             s = torch.cuda.Stream()
@@ -431,11 +413,11 @@ def _rank_main(rank, world, port, q):
             with torch.cuda.graph(graph):
                 comm.all_reduce(x)
             for it in range(5):
-                xs = [_inputs(90 + it, r, (777,), torch.float32) for r in range(world)]
+                xs = [rank_inputs(90 + it, r, (777,), torch.float32) for r in range(world)]
                 x.copy_(xs[rank])
                 graph.replay()
                 torch.cuda.synchronize()
-                results[f"{protocol}/graph{it}"] = (torch.equal(x.cpu(), _rank_sum(xs)), _digest(x))
+                results[f"{protocol}/graph{it}"] = (torch.equal(x.cpu(), rank_sum(xs)), digest(x))
             comm.close()
         q.put(("ok", rank, results))
         dist.destroy_process_group()

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import os
 import time
 import traceback
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import digest, rank_inputs, rank_sum, spawn_ranks
 
 DEADLINE_S = 240.0  # generous: CI machines are shared and slow
 SIZES = [1, 7, 1000, 4099]
@@ -38,45 +37,26 @@ def built():
 
 # ---- helpers shared by parent and ranks ----------------------------------------------------------
 
-def _inputs(seed, rank, shape, dtype):
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    return torch.randn(shape, generator=g).to(dtype)
-
-
-def _rank_sum(xs):
-    """The expected all-reduce result: float32 sum in rank order, rounded once."""
-    acc = xs[0].float()
-    for x in xs[1:]:
-        acc = acc + x.float()
-    return acc.to(xs[0].dtype)
-
-
-def _digest(t):
-    t = t.contiguous()
-    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-    return hashlib.sha1(raw.numpy().tobytes()).hexdigest()
-
-
 def _check_all_reduce(comm, ctx, seed, n, dtype):
-    xs = [_inputs(seed, r, (n,), dtype) for r in range(ctx.size)]
+    xs = [rank_inputs(seed, r, (n,), dtype) for r in range(ctx.size)]
     y = xs[ctx.rank].clone()
     out = comm.all_reduce(y)
     assert out is y
-    return bool(torch.equal(y, _rank_sum(xs))), _digest(y)
+    return bool(torch.equal(y, rank_sum(xs))), digest(y)
 
 
 def _check_gemm(comm, ctx, seed, shape, dtype, with_bias, gloo_ctx):
     from swiftspec.ops import reference
 
     M, K, N = shape
-    x = _inputs(seed, ctx.rank, (M, K), dtype)
-    w = _inputs(seed + 1, ctx.rank, (N, K), dtype)
-    bias = _inputs(seed + 2, 0, (N,), dtype) if with_bias else None
+    x = rank_inputs(seed, ctx.rank, (M, K), dtype)
+    w = rank_inputs(seed + 1, ctx.rank, (N, K), dtype)
+    bias = rank_inputs(seed + 2, 0, (N,), dtype) if with_bias else None
     y = comm.gemm_all_reduce(x, w, bias)
     ref = reference.gemm_all_reduce(x, w, bias, gloo_ctx)
     assert y.shape == (M, N) and y.dtype == dtype
     err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-    return err, _digest(y)
+    return err, digest(y)
 
 
 # ---- rank programs ----------------------------------------------------------------------------
@@ -99,15 +79,15 @@ def _prog_collectives(ctx, world):
                     res[("gemm", cname, shape, with_bias, str(dtype))] = _check_gemm(
                         comm, ctx, sum(shape), shape, dtype, with_bias, gloo)
     # the TPContext entry points: leading dimensions, a non-contiguous all-reduce input
-    x = _inputs(5, ctx.rank, (2, 3, 40), torch.float32)
-    w = _inputs(6, ctx.rank, (24, 40), torch.float32)
+    x = rank_inputs(5, ctx.rank, (2, 3, 40), torch.float32)
+    w = rank_inputs(6, ctx.rank, (24, 40), torch.float32)
     y = ctx.gemm_all_reduce(x, w)
     ref = gloo.gemm_all_reduce(x, w)
-    res["tp_gemm_3d"] = (float((y - ref).abs().max()), _digest(y))
-    xs = [_inputs(7, r, (40, 6), torch.float32).t() for r in range(ctx.size)]
+    res["tp_gemm_3d"] = (float((y - ref).abs().max()), digest(y))
+    xs = [rank_inputs(7, r, (40, 6), torch.float32).t() for r in range(ctx.size)]
     y = xs[ctx.rank].clone().t().contiguous().t()  # non-contiguous view
     ctx.all_reduce(y)
-    res["tp_ar_noncontig"] = (bool(torch.equal(y, _rank_sum(xs))), _digest(y))
+    res["tp_ar_noncontig"] = (bool(torch.equal(y, rank_sum(xs))), digest(y))
 
     # flag wrap-around: consecutive calls of varying sizes; before each call one rank lags
     # behind, so the others read its buffer before it is rewritten (stale words must not match)
