@@ -20,7 +20,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-tp", type=int, help="TP degree (processes) of the target group")
     p.add_argument("--draft-tp", type=int, help="TP degree (processes) of the draft group")
     p.add_argument("--bs", type=int, help="subgraph size sent to the target (default 8)")
-    p.add_argument("--w", type=int, help="leaves per draft expansion (default 4)")
+    p.add_argument("--w", type=int, help="leaves per draft expansion (default 2)")
     p.add_argument("--d", type=int, help="expansions per iteration (default: automatic in async, 3 in serial)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default 4096)")
     p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")

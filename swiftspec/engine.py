@@ -99,7 +99,7 @@ class EngineConfig:
         target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
             evenly among its ranks, each running that many threads.
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
-            8, 4, w, 1024, 256.
+            8, 2, w, 1024, 256.
         d: expansions per iteration; None = automatic in async, 3 in serial.
         max_model_len: context length in tokens (prompt + generation).
         draft_quant: "int8" (default) or "none": weight-only quantization of the draft. The
@@ -120,9 +120,10 @@ class EngineConfig:
     target_tp: int = 1
     draft_tp: int = 1
     bs: int = 8
-    # w = topk = 4, not the paper's 8: measured on 2 CPU cores by `swiftspec profile --sweep`
-    # (bench/RESULTS.md), a 4-leaf expansion costs half an 8-leaf one and the tree grows deeper
-    w: int = 4
+    # w = topk = 2, not the paper's 8: on 2 CPU cores (bench/RESULTS.md) the draft's int8 layers are
+    # bandwidth bound only up to 2 rows, so a 2-leaf expansion costs about half a 4-leaf one and
+    # the tree grows deeper per verification (async 9.4 vs 7.2 tokens/s with w = 4, 2026-11-22)
+    w: int = 2
     topk: int | None = None
     max_nodes: int = 1024
     max_cached: int = 256

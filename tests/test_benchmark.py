@@ -35,3 +35,18 @@ def test_tables_and_chart(tmp_path):
     assert "| hf |" in md and "False" in md
     bar_chart(recs, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_profile_keeps_defaults_unless_clearly_faster():
+    from swiftspec.benchmark.profile import candidate_splits, choose, d_candidates
+
+    default = {"bs": 8, "w": 2, "d": "auto", "tokens_per_s": 10.0}
+    close = {"bs": 8, "w": 4, "d": 5, "tokens_per_s": 10.4}
+    far = {"bs": 6, "w": 2, "d": 7, "tokens_per_s": 11.0}
+    assert choose([default, close], default) is default  # 4 % is within the noise margin
+    assert choose([default, close, far], default) is far
+    assert choose([default, close], default, margin=0.0) is close
+    assert choose([default, {**close, "tokens_per_s": 9.0}], default) is default
+    assert d_candidates(0.39, 0.04) == [9, 10] and d_candidates(0.01, 0.04) == [1, 2]
+    assert candidate_splits([0, 1], gpu=False) == [([0], [1])]
+    assert candidate_splits(list(range(8)), gpu=True) == [([0, 1, 2, 3, 4, 5], [6, 7]), ([0, 1, 2, 3], [4, 5, 6, 7])]

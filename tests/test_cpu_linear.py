@@ -273,6 +273,60 @@ def test_layers_use_the_twin(spy):
     assert spy.calls == 3 and logits.shape == (4, 123) and logits.dtype == torch.float32
     torch.testing.assert_close(logits, F.linear(hs, head.weight[:123]), rtol=1e-5, atol=1e-5)
 
-    col.quantize_int8_()  # int8 weights keep torch's int8 path
+    col.quantize_int8_()  # int8 weights take the int8 twin (tested below), not linear
     col(x)
     assert spy.calls == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The int8 weight-only twin (draft layers)
+
+def _int8_case(M, K, N, dtype, seed):
+    from swiftspec.layers.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    q, scales = quantize_int8(torch.randn(N, K, generator=g) / K ** 0.5)
+    return x, q, scales
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("K,N", [(100, 37), (33, 5), (2100, 70), (896, 130)])
+def test_int8_linear_matches_reference(ext, dtype, M, K, N):
+    """Every kernel: the fp32 dot product with the exact integer weights, scaled once, equals the
+    float64 result to fp32 (or one bf16 output) rounding, and the dequantizing reference loosely."""
+    x, q, scales = _int8_case(M, K, N, dtype, seed=M * 1000 + K + N)
+    exact = (x.double() @ q.double().t()) * scales.double()
+    for impl in _impls(ext, dtype):
+        got = ext._int8_linear_impl(x, q, scales, impl)
+        assert got.shape == (M, N) and got.dtype == dtype, impl
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5, msg=impl)
+        else:
+            torch.testing.assert_close(got.double(), exact, rtol=1.6e-2, atol=1e-2, msg=impl)
+        ref = reference.int8_linear(x, q, scales).float()
+        torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2, msg=impl)
+
+
+def test_int8_linear_strided_rows_and_bf16_scales(ext):
+    """Rows of a bigger table (the LM head's ``qweight[:limit]``) and bf16 scales (the layers keep
+    the model dtype) give the same bits as a contiguous copy with the scales in fp32."""
+    x, q, scales = _int8_case(4, 160, 50, torch.bfloat16, seed=7)
+    big = torch.cat([q, q], dim=1)[:, :160]  # rows 320 apart
+    s16 = scales.to(torch.bfloat16)
+    want = ext.int8_linear(x, q.contiguous(), s16.float())
+    assert torch.equal(ext.int8_linear(x, big, s16), want)
+    assert torch.equal(sops.int8_linear(x, big, s16), want)
+
+
+def test_int8_linear_errors(ext):
+    x, q, scales = _int8_case(2, 32, 8, torch.float32, seed=3)
+    with pytest.raises(RuntimeError, match="at most 16"):
+        ext.int8_linear(torch.randn(17, 32), q, scales)
+    with pytest.raises(RuntimeError, match="int8"):
+        ext.int8_linear(x, q.float(), scales)
+    with pytest.raises(RuntimeError, match="K mismatch"):
+        ext.int8_linear(torch.randn(2, 31), q, scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.int8_linear(x, q, scales[:-1])

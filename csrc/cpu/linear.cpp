@@ -91,6 +91,52 @@ at::Tensor linear_with_impl(const at::Tensor& x, const at::Tensor& w, const std:
   return linear_impl(x, w, bias, skinny::impl_from_name(name, x.scalar_type() == at::kBFloat16, "linear"));
 }
 
+// y = (x @ q^T) * scales[None, :]: int8 weight-only linear (the draft model's layers, per-output-
+// channel symmetric scales of swiftspec.layers.quant). Only the decode sizes (M <= 16) come here;
+// the Python op sends bigger batches to torch's int8 kernel.
+at::Tensor int8_linear_impl(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales, Impl impl) {
+  TORCH_CHECK(x_in.device().is_cpu() && q.device().is_cpu() && scales.device().is_cpu(),
+              "int8_linear: x, q and scales must be CPU tensors");
+  TORCH_CHECK(x_in.dim() == 2 && q.dim() == 2, "int8_linear: x must be [M, K] and q [N, K], got ", x_in.sizes(),
+              " and ", q.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "int8_linear: x must be float32 or bfloat16, got ", x_in.scalar_type());
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8_linear: q must be int8, got ", q.scalar_type());
+  TORCH_CHECK(q.size(1) == x_in.size(1), "int8_linear: K mismatch, x is ", x_in.sizes(), " and q is ", q.sizes());
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0), "int8_linear: scales must be [N] = [", q.size(0),
+              "], got ", scales.sizes());
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = q.size(0);
+  TORCH_CHECK(M <= skinny::kMaxRows, "int8_linear: M = ", M, " rows, at most ", skinny::kMaxRows);
+  const at::Tensor x = (K <= 1 || x_in.stride(1) == 1) ? x_in : x_in.contiguous();
+  const at::Tensor w = (K <= 1 || q.stride(1) == 1) ? q : q.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor scale_f = scales.to(at::kFloat).contiguous();
+  skinny::Problem<1> p;
+  p.x = x.data_ptr();
+  p.ldx = x.stride(0);
+  p.w[0] = w.data_ptr();
+  p.ldw = w.stride(0);
+  p.M = M;
+  p.K = K;
+  p.bf16 = bf16;
+  p.w_int8 = true;
+  const skinny::StoreEpilogue epi{out.data_ptr(), N, 0, nullptr, bf16, scale_f.data_ptr<float>()};
+  skinny::gemm(impl, p, 0, N, epi);
+  return out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  return int8_linear_impl(x, q, scales, skinny::best_impl(x.scalar_type() == at::kBFloat16));
+}
+
+at::Tensor int8_linear_with_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                                 const std::string& name) {
+  return int8_linear_impl(x, q, scales,
+                          skinny::impl_from_name(name, x.scalar_type() == at::kBFloat16, "int8_linear"));
+}
+
 }  // namespace
 
 void register_linear(pybind11::module_& m) {
@@ -109,6 +155,18 @@ Raises RuntimeError on non-CPU tensors, wrong ranks, mismatched dtypes, K or bia
   m.def("_linear_impl", &linear_with_impl, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("impl"),
         "Test hook: linear with a forced inner kernel ('auto', 'scalar', 'avx512', 'avx512_bf16'; "
         "see _linear_impls()). Raises RuntimeError for an impl not compiled in this build.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear", &int8_linear, py::arg("x"), py::arg("q"), py::arg("scales"),
+        R"doc(Int8 weight-only linear (x @ q.T) * scales, the CPU twin of reference.int8_linear.
+
+x: [M, K] float32 or bfloat16 with M <= 16; q: [N, K] int8 (elements of a row contiguous); scales:
+[N] float (any float dtype, used in fp32). Returns a new [M, N] tensor in x's dtype: the int8
+weights are widened exactly, dotted with x in fp32 (AVX-512 FMA; scalar without AVX-512), and the
+scale is applied in fp32 before the one rounding. Releases the GIL.
+Raises RuntimeError on non-CPU tensors, wrong dtypes or ranks, M > 16, K or scales shape.)doc",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_int8_linear_impl", &int8_linear_with_impl, py::arg("x"), py::arg("q"), py::arg("scales"),
+        py::arg("impl"), "Test hook: int8_linear with a forced inner kernel (see _linear_impls()).",
         py::call_guard<py::gil_scoped_release>());
   m.def("_linear_impls", &skinny::compiled_impls,
         "Test hook: names of the linear inner kernels compiled in this build.");

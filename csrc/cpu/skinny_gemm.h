@@ -77,7 +77,11 @@ struct Problem {
   int64_t ldw = 0;
   int64_t M = 0, K = 0;
   bool bf16 = false;
-  // Set by gemm(): x in fp32, rows ldxf apart (bf16 on Impl::kAvx512), and the K chunk length.
+  // Weights int8 (weight-only quantized draft layers; the per-column scale is the epilogue's):
+  // then x is dtype `bf16` as above and the SIMD kernel reads it as fp32 through xf.
+  bool w_int8 = false;
+  // Set by gemm(): x in fp32, rows ldxf apart (bf16 on Impl::kAvx512, and int8 weights), and the
+  // K chunk length.
   const float* xf = nullptr;
   int64_t ldxf = 0;
   int64_t kc = 0;
@@ -109,7 +113,16 @@ struct ScalarKernel {
     for (int m = 0; m < MB; ++m) {
       for (int s = 0; s < NW; ++s) {
         float acc = 0.f;
-        if (p.bf16) {
+        if (p.w_int8) {
+          const auto* w = static_cast<const int8_t*>(p.w[s]) + n * p.ldw;
+          if (p.bf16) {
+            const auto* x = static_cast<const uint16_t*>(p.x) + (m0 + m) * p.ldx;
+            for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[k]) * bf16_bits_to_float(x[k]);
+          } else {
+            const auto* x = static_cast<const float*>(p.x) + (m0 + m) * p.ldx;
+            for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[k]) * x[k];
+          }
+        } else if (p.bf16) {
           const auto* x = static_cast<const uint16_t*>(p.x) + (m0 + m) * p.ldx;
           const auto* w = static_cast<const uint16_t*>(p.w[s]) + n * p.ldw;
           for (int64_t k = 0; k < K; ++k) acc += bf16_bits_to_float(w[k]) * bf16_bits_to_float(x[k]);
@@ -187,6 +200,28 @@ struct OpsBf16Cvt {
   static Mask tail(int64_t rem) { return tail_mask16(rem); }
   static W load_w(const WT* p) { return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static W load_w(const WT* p, Mask t) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, p)); }
+  static X load_x(const XT* p) { return _mm512_loadu_ps(p); }
+  static X load_x(const XT* p, Mask t) { return _mm512_maskz_loadu_ps(t, p); }
+  static __m512 fma(__m512 acc, W w, X x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+// int8 weights widened to fp32 on load (sign-extend, convert: exact), x in fp32 (converted once
+// per call when bf16). The per-column scale is applied by the epilogue, so the kernel's sums are
+// exact dot products with the integer weights up to fp32 summation.
+struct OpsI8Cvt {
+  using W = __m512;
+  using X = __m512;
+  using Mask = __mmask16;
+  using WT = int8_t;
+  using XT = float;
+  static constexpr int64_t kStep = 16;
+  template <int NW>
+  static const XT* x_row(const Problem<NW>& p, int64_t m) { return p.xf + m * p.ldxf; }
+  static Mask tail(int64_t rem) { return tail_mask16(rem); }
+  static W load_w(const WT* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static W load_w(const WT* p, Mask t) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(t, p))); }
   static X load_x(const XT* p) { return _mm512_loadu_ps(p); }
   static X load_x(const XT* p, Mask t) { return _mm512_maskz_loadu_ps(t, p); }
   static __m512 fma(__m512 acc, W w, X x) { return _mm512_fmadd_ps(w, x, acc); }
@@ -351,6 +386,7 @@ void run_range(const Problem<NW>& p, int64_t begin, int64_t end, bool simd, cons
   const int nblk = p.M <= kMaxBlockRows ? 1 : 2;
   const int mb0 = static_cast<int>((p.M + nblk - 1) / nblk);
   const int64_t esize = p.bf16 ? 2 : 4;
+  const int64_t wsize = p.w_int8 ? 1 : esize;
   for (int64_t n0 = begin; n0 < end; n0 += kColTile) {
     const int64_t ncols = std::min(kColTile, end - n0);
     // K in chunks whose x rows stay in L1 while a tile's columns stream past them (see gemm());
@@ -359,7 +395,7 @@ void run_range(const Problem<NW>& p, int64_t begin, int64_t end, bool simd, cons
       Problem<NW> q = p;
       q.K = std::min(p.kc, p.K - k0);
       q.x = static_cast<const char*>(p.x) + k0 * esize;
-      for (int s = 0; s < NW; ++s) q.w[s] = static_cast<const char*>(p.w[s]) + k0 * esize;
+      for (int s = 0; s < NW; ++s) q.w[s] = static_cast<const char*>(p.w[s]) + k0 * wsize;
       if (p.xf != nullptr) q.xf = p.xf + k0;
       const bool add = k0 > 0;
       if (nblk == 1) {
@@ -439,7 +475,12 @@ void gemm(Impl impl, Problem<NW> p, int64_t begin, int64_t end, const Epi& epi) 
   TORCH_CHECK(!(impl == Impl::kAvx512Bf16 && !p.bf16), "skinny gemm: impl avx512_bf16 needs bfloat16 inputs");
   if (p.M == 0 || end <= begin) return;
   std::vector<float> xf;
-  if (p.bf16 && impl == Impl::kAvx512) {
+  // int8 weights: one SIMD kernel (fp32 FMA) whatever the x dtype, so both SIMD impls run it
+  const bool i8_simd = p.w_int8 && impl != Impl::kScalar;
+  if (i8_simd && !p.bf16) {
+    p.xf = static_cast<const float*>(p.x);
+    p.ldxf = p.ldx;
+  } else if (p.bf16 && (impl == Impl::kAvx512 || i8_simd)) {
     // once per call: the kernel then only converts weights
     xf.resize(static_cast<size_t>(p.M * p.K));
     for (int64_t m = 0; m < p.M; ++m) {
@@ -452,7 +493,7 @@ void gemm(Impl impl, Problem<NW> p, int64_t begin, int64_t end, const Epi& epi) 
   // K chunk: the M rows of x the kernel reads per weight load must stay in L1 while a tile's
   // columns stream past, or every column re-reads them from L2 (which made M = 8, K = 8960 slower
   // than oneDNN). Chunks are a multiple of 128 elements (a whole number of unrolled steps).
-  const int64_t x_bytes = p.M * p.K * ((p.bf16 && impl != Impl::kAvx512) ? 2 : 4);
+  const int64_t x_bytes = p.M * p.K * (p.xf == nullptr && p.bf16 ? 2 : 4);
   const int64_t n_chunks = std::max<int64_t>(1, (x_bytes + kXChunkBytes - 1) / kXChunkBytes);
   p.kc = n_chunks == 1 ? std::max<int64_t>(p.K, 1) : ((p.K + n_chunks - 1) / n_chunks + 127) / 128 * 128;
   at::parallel_for(begin, end, kColTile, [&](int64_t b, int64_t e) {
@@ -460,29 +501,41 @@ void gemm(Impl impl, Problem<NW> p, int64_t begin, int64_t end, const Epi& epi) 
       case Impl::kScalar: run_range<ScalarKernel>(p, b, e, false, epi); return;
 #ifdef SWIFTSPEC_SKINNY_AVX512
       case Impl::kAvx512:
+      case Impl::kAvx512Bf16:
+        if (p.w_int8) {
+          run_range<Avx512Kernel<OpsI8Cvt>>(p, b, e, true, epi);
+          return;
+        }
+        if (impl == Impl::kAvx512Bf16) break;
         if (p.bf16)
           run_range<Avx512Kernel<OpsBf16Cvt>>(p, b, e, true, epi);
         else
           run_range<Avx512Kernel<OpsF32>>(p, b, e, true, epi);
         return;
 #endif
-#ifdef SWIFTSPEC_SKINNY_AVX512BF16
-      case Impl::kAvx512Bf16: run_range<Avx512Kernel<OpsBf16Dp>>(p, b, e, true, epi); return;
-#endif
-      default: TORCH_CHECK(false, "skinny gemm: kernel not compiled in this build");
+      default: break;
     }
+#ifdef SWIFTSPEC_SKINNY_AVX512BF16
+    if (impl == Impl::kAvx512Bf16) {
+      run_range<Avx512Kernel<OpsBf16Dp>>(p, b, e, true, epi);
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "skinny gemm: kernel not compiled in this build");
   });
 }
 
 // ----------------------------------------------------------------------------------------------
-// The plain epilogue: out[m, n - col0] = round(y[m, n] + bias[n]) for the tile's columns n, the bias
-// (if any) added in fp32 before the one rounding to the output dtype.
+// The plain epilogue: out[m, n - col0] = round(y[m, n] * scale[n] + bias[n]) for the tile's columns
+// n, the per-column scale (int8 weights) and the bias (if any) applied in fp32 before the one
+// rounding to the output dtype.
 struct StoreEpilogue {
   void* out;          // [M, >= end - col0], row m at out + m * ldo elements, fp32 or bf16
   int64_t ldo;
   int64_t col0;       // column n of the problem is column n - col0 of out
   const float* bias;  // fp32, indexed by the problem's column n; nullptr: no bias
   bool bf16;          // out dtype
+  const float* scale = nullptr;  // fp32, indexed by the problem's column n; nullptr: no scale
 
   void operator()(const Tile<1>& t) const {
     const float* s = t.sums[0];
@@ -493,6 +546,7 @@ struct StoreEpilogue {
         for (int64_t c = 0; c < t.ncols; c += 16) {
           const __mmask16 k = tail_mask16(t.ncols - c);
           __m512 y = _mm512_maskz_loadu_ps(k, s + m * kColTile + c);
+          if (scale != nullptr) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, scale + t.n0 + c));
           if (bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(k, bias + t.n0 + c));
           if (bf16)
             _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + o + c, k, float_to_bf16_avx512(y));
@@ -507,6 +561,7 @@ struct StoreEpilogue {
       const int64_t o = m * ldo + t.n0 - col0;
       for (int64_t c = 0; c < t.ncols; ++c) {
         float y = s[m * kColTile + c];
+        if (scale != nullptr) y *= scale[t.n0 + c];
         if (bias != nullptr) y += bias[t.n0 + c];
         if (bf16)
           static_cast<uint16_t*>(out)[o + c] = float_to_bf16_bits(y);

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftspec import ops
-from swiftspec.layers.quant import int8_linear, quantize_int8
+from swiftspec.layers.quant import quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
 
@@ -62,7 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         v = self.vocab_size if limit is None else min(limit, self.vocab_size)
         n_local = max(0, min(self.shard, v - self.start))
         if hasattr(self, "qweight"):
-            logits = int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
+            logits = ops.int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
         else:
             # rows [0, n_local) of the row-major [shard, hidden] table: a contiguous weight
             logits = ops.linear(h, self.weight[:n_local]).float()

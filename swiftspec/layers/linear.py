@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from swiftspec import ops
-from swiftspec.layers.quant import int8_linear, quantize_int8
+from swiftspec.layers.quant import quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
 PAD = -1  # global index of a padded (all-zero) feature or head
@@ -140,10 +140,10 @@ class LinearBase(nn.Module):
 
         Float weights go through :func:`swiftspec.ops.linear` (the CPU skinny-GEMM twin at decode
         sizes, which adds ``bias`` before its one rounding); int8 weights through
-        :func:`int8_linear`, with ``bias`` added afterwards.
+        :func:`swiftspec.ops.int8_linear`, with ``bias`` added afterwards.
         """
         if hasattr(self, "qweight"):
-            y = int8_linear(x, self.qweight, self.scales)
+            y = ops.int8_linear(x, self.qweight, self.scales)
             return y if bias is None else y + bias
         return ops.linear(x, self.weight, bias)
 

@@ -105,6 +105,38 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x, w, bias)
 
 
+# Rows up to which the int8 twin beats torch's kernel. The twin widens every weight to fp32 and runs
+# fp32 FMAs, so it is bandwidth bound at 1-2 rows and compute bound above: a whole draft forward
+# (Qwen2.5-0.5B, bf16 activations, 1 core) took 28 / 41 / 81 ms at 1 / 2 / 4 rows against torch's
+# 57 / 62 / 75 ms (2026-11-22).
+_INT8_TWIN_MAX_ROWS = 2
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Int8 weight-only linear ``(x @ q.T) * scales``; see :func:`reference.int8_linear`.
+
+    Shapes: x ``[n, K]`` fp32 or bf16, q ``[N, K]`` int8, scales ``[N]`` float. Returns ``[n, N]``
+    in x's dtype. On the "cpu" backend up to ``_INT8_TWIN_MAX_ROWS`` rows run the weight-streaming
+    CPU twin; bigger batches use torch's int8 weight-only kernel; any other case is the reference.
+    """
+    if backend(x) == "cpu" and x.dim() == 2 and x.shape[0] <= _INT8_TWIN_MAX_ROWS and x.dtype in (
+            torch.float32, torch.bfloat16):
+        return _cpu_module().int8_linear(x, q, scales)
+    return _torch_int8_linear(x, q, scales)
+
+
+def _torch_int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int8 weight-only kernel (``_weight_int8pack_mm``), fast for bf16 activations
+    only (fp32 takes a generic path ~60x slower in torch 2.13), so fp32 activations are computed
+    in bf16: the op serves the draft model, whose numerics never reach the output. The kernel
+    crashes (segfault, torch 2.13) unless K is a multiple of 16, so other shapes (padded TP shards)
+    take the reference."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and q.shape[1] % 16 == 0:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, scales.to(torch.bfloat16))
+        return y.to(x.dtype)
+    return reference.int8_linear(x, q, scales)
+
+
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
                    scale: float) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see

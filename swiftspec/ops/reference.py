@@ -30,6 +30,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x, w, bias)
 
 
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Int8 weight-only linear: dequantize ``q * scales[:, None]`` to x's dtype, then ``F.linear``.
+
+    Shapes: x ``[..., K]`` fp32/bf16; q ``[N, K]`` int8; scales ``[N]`` float. Returns ``[..., N]``
+    in x's dtype. The CPU twin applies the scale after an fp32 dot product instead (one rounding),
+    so the two agree to the weight rounding of the dequantized table.
+    """
+    return F.linear(x, q.to(x.dtype) * scales.to(x.dtype)[:, None])
+
+
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x ``[n, H, D]``; cos, sin ``[n, D]`` float32. Returns x's dtype."""
     h = x.shape[-1] // 2
