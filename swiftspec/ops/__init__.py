@@ -132,7 +132,8 @@ def _torch_int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
     crashes (segfault, torch 2.13) unless K is a multiple of 16, so other shapes (padded TP shards)
     take the reference."""
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and q.shape[1] % 16 == 0:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, scales.to(torch.bfloat16))
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q.contiguous(),
+                                              scales.to(torch.bfloat16))
         return y.to(x.dtype)
     return reference.int8_linear(x, q, scales)
 
