@@ -13,6 +13,8 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
 - ``swiglu``: the fused SwiGLU vs PyTorch's best arrangement (one concatenated gate/up matmul, then
   SiLU * mul) and vs two separate matmuls, batch 1 and 8;
 - ``linear``: the skinny-GEMM linear layer (QKV, o_proj, down_proj) vs ``F.linear``;
+- ``int8_linear``: the int8 weight-only twin (the draft's layers) vs torch's int8 weight-only kernel
+  (``_weight_int8pack_mm``), bf16 activations, 1 / 2 / 4 rows (CPU only);
 - ``attention``: the tree attention (RoPE fused) vs RoPE + ``F.scaled_dot_product_attention`` with a
   materialized mask, 8 queries over 500 / 1000 cached keys.
 
@@ -147,6 +149,34 @@ def linear_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODEL
                         t = time_interleaved(fns, rounds, iters, _sync(device))
                         cases.append(Case("linear", f"{name} {what} M={m} K={k} N={n}", str(dtype)[6:], threads,
                                           t.pop("ours"), t))
+    return cases
+
+
+def int8_linear_cases(threads_list, rounds, iters, models=tuple(MODELS)) -> list[Case]:
+    """The draft's int8 layers (gate/up, down_proj, QKV) at TP 1: the CPU twin (called directly,
+    whatever the row cut-over of ``ops.int8_linear``) vs torch's int8 kernel, bf16 activations."""
+    from swiftspec.layers.quant import quantize_int8
+    from swiftspec.ops import cpu
+
+    ext = cpu.load()
+    cases = []
+    for name in models:
+        hidden, inter, hq, hk, d = MODELS[name]
+        for what, k, n in (("gate_up", hidden, 2 * inter), ("down_proj", inter, hidden),
+                           ("qkv", hidden, (hq + 2 * hk) * d)):
+            if n * k > MAX_WEIGHT_BYTES:
+                continue
+            q, scales = quantize_int8(torch.randn(n, k) * 0.02)
+            s16 = scales.to(torch.bfloat16)
+            for m in (1, 2, 4):
+                x = torch.randn(m, k, dtype=torch.bfloat16)
+                for threads in threads_list:
+                    torch.set_num_threads(threads)
+                    fns = {"ours": lambda: ext.int8_linear(x, q, s16),
+                           "torch _weight_int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(x, q, s16)}
+                    t = time_interleaved(fns, rounds, iters, _sync("cpu"))
+                    cases.append(Case("int8_linear", f"{name} {what} M={m} K={k} N={n}", "int8/bfloat16", threads,
+                                      t.pop("ours"), t))
     return cases
 
 
@@ -320,8 +350,8 @@ def machine() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["allreduce", "gemm_ar", "swiglu", "linear", "attention"],
-                    choices=["allreduce", "gemm_ar", "swiglu", "linear", "attention"])
+    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "int8_linear", "attention"]
+    ap.add_argument("--ops", nargs="+", default=ops_, choices=ops_)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op threads (CPU)")
     ap.add_argument("--rounds", type=int, default=9, help="alternating rounds per case")
@@ -346,6 +376,8 @@ def main(argv=None) -> int:
         cases += swiglu_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     if "linear" in args.ops:
         cases += linear_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
+    if "int8_linear" in args.ops and args.device == "cpu":
+        cases += int8_linear_cases(args.threads, args.rounds, args.iters, args.models)
     if "attention" in args.ops:
         cases += attention_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     probe = torch.empty(0, device=args.device)
