@@ -19,7 +19,9 @@
 //
 // Kernels (Impl): fp32 uses FMA; bf16 uses vdpbf16ps (AVX512_BF16: exact bf16 products summed in
 // fp32) or, on AVX-512 CPUs without it, weights widened to fp32 on load; a scalar kernel for CPUs
-// without AVX-512, also selectable so the tests exercise it. All accumulate in fp32. The value of
+// without AVX-512, also selectable so the tests exercise it. All accumulate in fp32.
+// Int8 weights (Problem::w_int8, the draft's weight-only layers) are widened exactly to fp32 and
+// use the FMA kernel under either SIMD impl, with x in fp32; the scale is the epilogue's. The value of
 // y[m, n] depends on M, K and the kernel only, never on the column range or the thread count (the
 // blocking is by rows and K, and a column gets the same accumulator layout whether it is dotted
 // alone or paired with its neighbour), so tiles of a bigger GEMM give the same bits as the whole.
