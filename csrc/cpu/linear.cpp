@@ -40,19 +40,6 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
 }
 
-// The skinny-GEMM operands of x [M, K] and w [N, K] (rows of both contiguous, any row stride).
-skinny::Problem<1> problem_of(const at::Tensor& x, const at::Tensor& w) {
-  skinny::Problem<1> p;
-  p.x = x.data_ptr();
-  p.ldx = x.stride(0);
-  p.w[0] = w.data_ptr();
-  p.ldw = w.stride(0);
-  p.M = x.size(0);
-  p.K = x.size(1);
-  p.bf16 = x.scalar_type() == at::kBFloat16;
-  return p;
-}
-
 at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        Impl impl) {
   check_inputs(x_in, w, bias);
@@ -82,7 +69,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w, const std::o
       for (int64_t n = 0; n < N; ++n) bias_f[n] = bb[n];
     }
   }
-  const skinny::Problem<1> p = problem_of(x, w);
+  const skinny::Problem<1> p = skinny::problem_of(x, w);
   const skinny::StoreEpilogue epi{out.data_ptr(), N, 0, bias_f.empty() ? nullptr : bias_f.data(), bf16};
   skinny::gemm(impl, p, 0, N, epi);
   return out;
@@ -119,7 +106,7 @@ at::Tensor int8_linear_impl(const at::Tensor& x_in, const at::Tensor& q, const a
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const at::Tensor scale_f = scales.to(at::kFloat).contiguous();
-  skinny::Problem<1> p = problem_of(x, w);
+  skinny::Problem<1> p = skinny::problem_of(x, w);
   p.w_int8 = true;
   const skinny::StoreEpilogue epi{out.data_ptr(), N, 0, nullptr, bf16, scale_f.data_ptr<float>()};
   skinny::gemm(impl, p, 0, N, epi);

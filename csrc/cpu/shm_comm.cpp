@@ -113,15 +113,7 @@ void tile_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n0, int64_t col
     return;
   }
   const bool bf16 = t == at::kBFloat16;
-  skinny::Problem<1> p;
-  p.x = x.data_ptr();
-  p.ldx = x.size(1);
-  p.w[0] = w.data_ptr();
-  p.ldw = w.size(1);
-  p.M = x.size(0);
-  p.K = x.size(1);
-  p.bf16 = bf16;
-  skinny::gemm(skinny::best_impl(bf16), p, n0, n0 + cols,
+  skinny::gemm(skinny::best_impl(bf16), skinny::problem_of(x, w), n0, n0 + cols,
                skinny::StoreEpilogue{out.data_ptr(), out.stride(0), n0, nullptr, bf16});
 }
 

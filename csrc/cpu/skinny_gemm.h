@@ -31,6 +31,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include "vec_math.h"
@@ -525,6 +526,20 @@ void gemm(Impl impl, Problem<NW> p, int64_t begin, int64_t end, const Epi& epi) 
 #endif
     TORCH_CHECK(false, "skinny gemm: kernel not compiled in this build");
   });
+}
+
+// The operands of x [M, K] and w [N, K] (fp32 or bf16 x; elements of a row contiguous, any row
+// stride); callers set w_int8 for int8 weights.
+inline Problem<1> problem_of(const at::Tensor& x, const at::Tensor& w) {
+  Problem<1> p;
+  p.x = x.data_ptr();
+  p.ldx = x.stride(0);
+  p.w[0] = w.data_ptr();
+  p.ldw = w.stride(0);
+  p.M = x.size(0);
+  p.K = x.size(1);
+  p.bf16 = x.scalar_type() == at::kBFloat16;
+  return p;
 }
 
 // ----------------------------------------------------------------------------------------------
