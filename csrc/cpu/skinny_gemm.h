@@ -65,8 +65,11 @@ constexpr int kMaxBlockRows = 8;
 // second block (measured on SwiGLU: 4 or fewer columns per sweep hurt the prefetching).
 constexpr int64_t kTwoPassCols = 32;
 // Bytes of x (all M rows of one K chunk) kept in L1 while a column tile streams past; K is cut
-// into chunks above it (L1d is 32-48 KiB on AVX-512 CPUs; the rest holds the weight stream).
-constexpr int64_t kXChunkBytes = 32 * 1024;
+// into chunks above it. L1d is 32 KiB on Zen 4 (48 KiB on recent Intel) and the weight lines pass
+// through it too: 24 KiB chunks took the Qwen2.5-1.5B down_proj (M = 8, K = 8960, 28 layers, cold
+// weights, 1 thread) from 70 to 46 ms against 32 KiB ones; 16 KiB or less split K = 1536 at M = 8
+// and made SwiGLU 1.5x slower (2026-11-23).
+constexpr int64_t kXChunkBytes = 24 * 1024;
 
 enum class Impl { kScalar, kAvx512, kAvx512Bf16 };
 
@@ -148,8 +151,13 @@ struct ScalarKernel {
 // over K so few rows still keep enough FMA chains in flight. The K tail is a masked load (masked-
 // off lanes read nothing and load zeros). The weight rows of the column kPrefetchCols ahead are
 // prefetched: the hardware prefetcher alone does not keep up once the per-byte compute grows
-// (measured on SwiGLU: M = 8 bf16 went from 16 to 32 GB/s with it).
-constexpr int64_t kPrefetchCols = 2;
+// (measured on SwiGLU: M = 8 bf16 went from 16 to 32 GB/s with it). They are prefetched into L2
+// (T1), not L1: T0 prefetches of a whole column ahead fill L1's miss buffers and evict the x rows,
+// so at 4-8 rows the pass stopped overlapping its loads with its arithmetic. With T1, 4 columns
+// ahead, the Qwen2.5-1.5B SwiGLU (28 layers, cold weights, bf16, 1 thread) went from 145 to 73 ms at
+// M = 8, 100 to 71 ms at M = 4, 75-90 to 68 ms at M = 1 (2026-11-23; 2 / 8 columns and T0 at 4 / 8
+// columns were slower).
+constexpr int64_t kPrefetchCols = 4;
 
 inline __mmask16 tail_mask16(int64_t rem) {
   return rem >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rem) - 1u);
@@ -291,7 +299,7 @@ struct Avx512Kernel {
 #pragma GCC unroll 4
         for (int j = 0; j < NS; ++j) {
           vw[j] = Ops::load_w(w[j] + kk);
-          _mm_prefetch(reinterpret_cast<const char*>(pf[j] + kk * sizeof(WT)), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pf[j] + kk * sizeof(WT)), _MM_HINT_T1);
         }
 #pragma GCC unroll 16
         for (int m = 0; m < MB; ++m) {

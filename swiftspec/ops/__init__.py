@@ -106,10 +106,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 # Rows up to which the int8 twin beats torch's kernel. The twin widens every weight to fp32 and runs
-# fp32 FMAs, so it is bandwidth bound at 1-2 rows and compute bound above: a whole draft forward
-# (Qwen2.5-0.5B, bf16 activations, 1 core) took 28 / 41 / 81 ms at 1 / 2 / 4 rows against torch's
-# 57 / 62 / 75 ms (2026-11-22).
-_INT8_TWIN_MAX_ROWS = 2
+# fp32 FMAs; since its weight prefetches go to L2 (skinny_gemm.h) it overlaps them with that
+# arithmetic, and a whole draft forward (Qwen2.5-0.5B, bf16 activations, 1 core) took 27 / 36 / 65 /
+# 124 / 226 ms at 1 / 2 / 4 / 8 / 16 rows against torch's 77 / 142 / 230 ms at 4 / 8 / 16 rows
+# (2026-11-23; 57 / 62 ms at 1 / 2 rows the day before); at 16 rows they tie, so torch's kernel
+# keeps the prefills.
+_INT8_TWIN_MAX_ROWS = 8
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
