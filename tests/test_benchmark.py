@@ -50,3 +50,28 @@ def test_profile_keeps_defaults_unless_clearly_faster():
     assert d_candidates(0.39, 0.04) == [9, 10] and d_candidates(0.01, 0.04) == [1, 2]
     assert candidate_splits([0, 1], gpu=False) == [([0], [1])]
     assert candidate_splits(list(range(8)), gpu=True) == [([0, 1, 2, 3, 4, 5], [6, 7]), ([0, 1, 2, 3], [4, 5, 6, 7])]
+
+
+def test_profile_confirms_a_sweep_winner_against_the_defaults():
+    from swiftspec.benchmark.profile import choose_confirmed
+
+    default = {"bs": 8, "w": 2, "d": "auto", "tokens_per_s": 10.0}
+    lucky = {"bs": 6, "w": 2, "d": 7, "tokens_per_s": 11.0}
+    asked = []
+
+    def remeasure(speeds):
+        def f(row):
+            asked.append((row["bs"], row["d"]))
+            return {**row, "round": "confirm", "tokens_per_s": speeds[row["bs"]]}
+        return f
+
+    # the winner by noise measures like the defaults again: the defaults are kept
+    best, again = choose_confirmed([default, lucky], remeasure({8: 10.2, 6: 10.1}))
+    assert best is again[0] and best["bs"] == 8 and asked == [(8, "auto"), (6, 7)]
+    # a real winner wins again: its fresh row is chosen
+    best, again = choose_confirmed([default, lucky], remeasure({8: 9.8, 6: 11.2}))
+    assert best is again[1] and best["bs"] == 6 and best["round"] == "confirm"
+    # the defaults win the sweep: nothing is measured again
+    asked.clear()
+    best, again = choose_confirmed([default, {**lucky, "tokens_per_s": 10.3}], remeasure({}))
+    assert best is default and again == [] and asked == []
