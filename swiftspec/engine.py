@@ -120,9 +120,9 @@ class EngineConfig:
     target_tp: int = 1
     draft_tp: int = 1
     bs: int = 8
-    # w = topk = 2, not the paper's 8: on 2 CPU cores (bench/RESULTS.md) the draft's int8 layers are
-    # bandwidth bound only up to 2 rows, so a 2-leaf expansion costs about half a 4-leaf one and
-    # the tree grows deeper per verification (async 9.4 vs 7.2 tokens/s with w = 4, 2026-11-22)
+    # w = topk = 2, not the paper's 8: on 2 CPU cores (bench/RESULTS.md) a 2-leaf draft expansion
+    # costs about half a 4-leaf one (36 vs 65 ms), so the tree grows deeper per verification (async
+    # 9.4 vs 7.2 tokens/s with w = 4, 2026-11-22, before the L2 prefetch; not re-swept since)
     w: int = 2
     topk: int | None = None
     max_nodes: int = 1024

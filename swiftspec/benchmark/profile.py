@@ -42,7 +42,7 @@ def d_candidates(t_target: float, t_draft: float) -> list[int]:
 
 
 # Tree shapes (bs, w) tried by --sweep after the defaults: wider and narrower expansions, smaller and
-# bigger subgraphs (the verification is compute bound on CPUs, so bs trades depth for target time).
+# bigger subgraphs (a verification costs more per row on CPUs, so bs trades depth for target time).
 SWEEP_SHAPES = [(8, 4), (8, 1), (6, 2), (12, 2), (4, 4), (16, 8)]
 
 
@@ -125,12 +125,13 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
                             draft_cores=row["draft_cores"], bs=row["bs"], w=row["w"], topk=row["w"],
                             d=None if row["d"] == "auto" else row["d"])
 
-    def run(row: dict, ds: list, explore_d: bool = False) -> list[dict]:
-        """Measure ``row``'s configuration for every d in ``ds``; with ``explore_d`` the automatic
-        d's measured times add ``d_candidates`` to the list."""
+    def run(row: dict, explore_d: bool = False) -> list[dict]:
+        """Measure ``row``'s configuration; with ``explore_d`` (automatic d) its measured times
+        give ``d_candidates``, measured on the same engine."""
         out = []
         with Engine(target_dir, draft_dir, config=engine_config(row)) as eng:
             eng.generate(calib[0], SamplingParams(max_tokens=8))  # warm-up: first touch of the weights
+            ds = [eng.config.d]
             for d in ds:
                 eng.config.d = d
                 meas = _measure(eng, calib, max_tokens)
@@ -145,9 +146,8 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     for t_dev, d_dev in splits:
         for bs, w in shapes:
             base = {"round": "sweep", "target_cores": t_dev, "draft_cores": d_dev, "bs": bs, "w": w, "d": "auto"}
-            rows += run(base, [None], explore_d=True)
-    best, again = choose_confirmed(
-        rows, lambda r: run({**r, "round": "confirm"}, [None if r["d"] == "auto" else r["d"]])[0], margin)
+            rows += run(base, explore_d=True)
+    best, again = choose_confirmed(rows, lambda r: run({**r, "round": "confirm"})[0], margin)
     rows += again
     bar.close()
     best["chosen"] = True
@@ -159,7 +159,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     return out, rows
 
 
-def table(rows: list[dict], best: dict) -> str:
+def table(rows: list[dict]) -> str:
     lines = ["| round | target cores | draft cores | bs | w | d | t_target ms | t_draft ms | tokens/s | compression |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -194,7 +194,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     devices = [int(c) for c in args.cores.split(",")] if args.cores else None
     best, rows = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,
                          args.dtype, devices, margin=args.margin)
-    print(table(rows, best))
+    print(table(rows))
     tmp = Path(f"{args.output}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(best, indent=1))
     os.replace(tmp, args.output)
