@@ -2,6 +2,7 @@
 collect what each rank reports; never leaves a process behind. Used by the TP / collective tests."""
 import hashlib
 import multiprocessing as mp
+import pickle
 import queue
 import time
 
@@ -10,9 +11,9 @@ import torch
 
 
 def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, label: str = "") -> dict:
-    """Call ``fn(rank, world, port, *args, q)`` in ``world`` spawned processes. Each rank puts
-    ``("ok", rank, payload)`` or ``("error", rank, traceback)`` on ``q``. Returns {rank: payload};
-    fails the test on an error or when a rank is silent past ``deadline_s`` seconds."""
+    """Call ``fn(rank, world, port, *args, q)`` in ``world`` spawned processes. Each rank reports
+    once with :func:`report` (``"ok"`` and its payload, or ``"error"`` and a traceback). Returns
+    {rank: payload}; fails the test on an error or when a rank is silent past ``deadline_s`` seconds."""
     from swiftspec.parallel import free_tcp_port
 
     ctx = mp.get_context("spawn")
@@ -26,7 +27,7 @@ def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, lab
         replies = {}
         while len(replies) < world:
             try:
-                status, rank, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                status, rank, payload = pickle.loads(q.get(timeout=max(0.1, deadline - time.monotonic())))
             except queue.Empty:
                 pytest.fail(f"{label} world={world}: ranks {sorted(set(range(world)) - set(replies))} gave no answer")
             if status != "ok":
@@ -44,6 +45,13 @@ def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, lab
                 p.kill()
                 p.join(timeout=5)
         q.close()
+
+
+def report(q, status: str, rank: int, payload) -> None:
+    """Put a rank's answer on ``q`` as plain pickled bytes. A tensor put on a multiprocessing queue
+    as it is travels as a file descriptor that the parent fetches from the sending process, which
+    fails when that rank has already exited (ConnectionResetError); bytes carry the values."""
+    q.put(pickle.dumps((status, rank, payload)))
 
 
 def rank_inputs(seed: int, rank: int, shape, dtype):

@@ -20,7 +20,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import digest, rank_inputs, rank_sum, spawn_ranks
+from ranks import digest, rank_inputs, rank_sum, report, spawn_ranks
 
 from swiftspec.ops import reference
 
@@ -419,10 +419,10 @@ def _rank_main(rank, world, port, q):
                 torch.cuda.synchronize()
                 results[f"{protocol}/graph{it}"] = (torch.equal(x.cpu(), rank_sum(xs)), digest(x))
             comm.close()
-        q.put(("ok", rank, results))
+        report(q, "ok", rank, results)
         dist.destroy_process_group()
     except BaseException:
-        q.put(("error", rank, traceback.format_exc()))
+        report(q, "error", rank, traceback.format_exc())
 
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs with peer access")

@@ -15,7 +15,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import digest, rank_inputs, rank_sum, spawn_ranks
+from ranks import digest, rank_inputs, rank_sum, report, spawn_ranks
 
 DEADLINE_S = 240.0  # generous: CI machines are shared and slow
 SIZES = [1, 7, 1000, 4099]
@@ -169,7 +169,7 @@ def _prog_failures(ctx, q):
     dead = ShmCommunicator.create(ctx.group, ctx.rank, ctx.size, timeout_s=30.0)
     torch.distributed.barrier(group=ctx.group)
     if ctx.rank == last:
-        q.put(("ok", ctx.rank, None))
+        report(q, "ok", ctx.rank, None)
         q.close()
         q.join_thread()
         os._exit(0)  # no cleanup at all: as if killed
@@ -186,11 +186,11 @@ def _rank_main(rank, world, port, prog, args, shm_comm, q):
         if prog == "failures":
             args = (q,)
         result = globals()["_prog_" + prog](ctx, *args)
-        q.put(("ok", rank, result))
+        report(q, "ok", rank, result)
         if prog != "failures":
             torch.distributed.destroy_process_group()
     except BaseException:
-        q.put(("error", rank, traceback.format_exc()))
+        report(q, "error", rank, traceback.format_exc())
 
 
 def _run_world(world, prog, args=(), shm_comm=True):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_model
-from ranks import spawn_ranks
+from ranks import report, spawn_ranks
 from swiftspec.layers.linear import PAD, gqa_head_layout
 from swiftspec.models import load_model
 
@@ -39,10 +39,10 @@ def _rank_main(rank, world, port, jobs, out):
             dense = _logits(m, IDS)
             m.quantize_int8_()
             results.append((dense.numpy(), _logits(m, IDS).numpy(), m.num_kv_heads_local))
-        out.put(("ok", rank, results if rank == 0 else None))
+        report(out, "ok", rank, results if rank == 0 else None)
         torch.distributed.destroy_process_group()
     except BaseException:
-        out.put(("error", rank, traceback.format_exc()))
+        report(out, "error", rank, traceback.format_exc())
 
 
 def _run_tp(tp, jobs):
