@@ -22,6 +22,8 @@ from swiftspec.target_state import TargetState
 from swiftspec.tree import Subgraph
 
 STOP = "stop"
+# Expansions per verification in serial mode when the request gives none (d = "auto").
+SERIAL_D = 3
 
 
 class Channel(Protocol):
@@ -134,7 +136,7 @@ def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecke
 def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
                stop: StopChecker | None = None) -> TargetStats:
     """SwiftSpec-base: ``d`` expansions, then one verification, then re-root; one device group."""
-    d = req.d if req.d is not None else 3
+    d = req.d if req.d is not None else SERIAL_D
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     draft.prefill(req.prompt_ids)
     first = _prefill_target(target, req, sampler, stop, emit)

@@ -75,3 +75,31 @@ def test_profile_confirms_a_sweep_winner_against_the_defaults():
     asked.clear()
     best, again = choose_confirmed([default, {**lucky, "tokens_per_s": 10.3}], remeasure({}))
     assert best is default and again == [] and asked == []
+
+
+def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, capsys):
+    """`swiftspec profile` measures the split and the shared (serial) allocation, prints every
+    candidate and writes a configuration the engine runs with the target's own greedy output."""
+    from swiftspec.benchmark.profile import main
+    from swiftspec.engine import Engine, EngineConfig
+    from swiftspec.sampling import SamplingParams
+
+    prompts = tmp_path / "calib.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "turns": ["count: 1 2 3 4"]}))
+    out = tmp_path / "cfg.json"
+    assert main(["--target", str(tiny_dir), "--draft", str(tiny_draft_dir), "--prompts", str(prompts),
+                 "--num-prompts", "1", "--max-tokens", "8", "--cores", "0,1", "--dtype", "float32",
+                 "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| sweep")]
+    modes = [line.split("|")[2].strip() for line in rows]
+    assert modes.count("async") == 3 and modes.count("serial") == 3, printed  # auto d plus two more each
+    assert printed.count("**chosen**") == 1 and "chosen: " in printed
+    cfg = EngineConfig.from_json(out)
+    assert cfg.mode in ("async", "serial") and cfg.dtype == "float32"
+    assert json.loads(out.read_text())["_measured"]["tokens_per_s"] > 0
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with Engine(tiny_dir, tiny_draft_dir, config=cfg) as eng:
+        got = eng.generate("count: 5 6", params).token_ids
+    with Engine(tiny_dir, tiny_draft_dir, config=EngineConfig(mode="autoregressive", dtype="float32")) as eng:
+        assert got == eng.generate("count: 5 6", params).token_ids

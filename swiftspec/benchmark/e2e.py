@@ -3,7 +3,8 @@
 Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (SwiftSpec-base),
 ``autoregressive`` (our target alone), ``hf`` (transformers ``generate``, target alone),
 ``hf-assisted`` (transformers assisted generation with the draft), ``swiftspec-profiled``
-(async with the ``--config`` written by ``swiftspec profile``), ``llama-cpp`` (llama.cpp on
+(the engine as the ``--config`` written by ``swiftspec profile`` sets it up: mode, cores, tree
+shape, ``d``), ``llama-cpp`` (llama.cpp on
 the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF).
 ``swiftspec-async-nokernels``, ``swiftspec-serial-nokernels`` and ``autoregressive-nokernels`` are
 the same engines with the compiled kernels off (PyTorch ops and gloo only): the kernel ablation.
@@ -69,15 +70,20 @@ class EngineSystem:
                  config: str | None = None):
         from swiftspec.engine import Engine
 
-        mode = ENGINE_MODES[system]
-        kw: dict = dict(mode=mode, dtype=dtype, kernels=not system.endswith("-nokernels"))
-        if config is None:
+        from swiftspec.engine import EngineConfig
+
+        if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
+            cfg = EngineConfig.from_json(config, dtype=dtype)
+        else:
+            mode = ENGINE_MODES[system]
+            kw: dict = dict(mode=mode, dtype=dtype, kernels=not system.endswith("-nokernels"))
             if mode == "async":
                 n_draft = max(1, len(cores) // 4)
                 kw.update(target_cores=cores[:-n_draft], draft_cores=cores[-n_draft:], d=d)
             else:
                 kw.update(target_cores=cores)
-        self.engine = Engine(target, draft if mode != "autoregressive" else None, config=config, **kw)
+            cfg = EngineConfig(**kw)
+        self.engine = Engine(target, draft if cfg.mode != "autoregressive" else None, config=cfg)
         self.system = system
 
     def generate(self, prompt_ids, max_tokens, eos_ids=()):

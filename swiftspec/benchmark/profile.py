@@ -6,7 +6,14 @@ preferred on GPUs), measure the target's verification time and the draft's expan
 both run, set ``d`` to ``r`` or ``r + 1`` with ``r = floor(t_target / t_draft)`` (plus the
 engine's automatic choice), optionally sweep the tree shape (``bs``, ``w``), run every candidate end
 to end on calibration prompts and write the chosen configuration as JSON for
-``Engine(config=...)`` / ``swiftspec generate --config``. The engine's defaults are kept unless
+``Engine(config=...)`` / ``swiftspec generate --config``.
+
+Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
+where draft and target take turns on every device. The paper's GPUs gain from splitting because a
+group's speed grows slowly with its size; on a few CPU cores the target's speed is about
+proportional to its cores (bench/RESULTS.md: 8-row verification 182 ms on one core, and 233 ms
+while the draft streams its weights on the other), so sharing can win, and the profile says so
+instead of assuming the split. The engine's defaults are kept unless
 a candidate beats them by more than ``margin`` (run-to-run noise on a shared machine is several
 percent, and a winner by noise does worse than the defaults on prompts the profile did not see),
 both in the sweep and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
@@ -21,6 +28,8 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from swiftspec.scheduler import SERIAL_D
 
 
 def candidate_splits(devices: list[int], gpu: bool) -> list[tuple[list[int], list[int]]]:
@@ -69,6 +78,13 @@ def choose_confirmed(rows: list[dict], remeasure, margin: float = 0.05) -> tuple
     return choose(again, again[0], margin), again
 
 
+def serial_d_candidates(default: int = SERIAL_D) -> list[int]:
+    """``d`` values tried for the shared (serial) allocation besides its default: one fewer and
+    one more expansion per verification. Serial drafting is on the critical path, so ``d`` trades
+    draft time against tree depth directly, without the async rule's overlap."""
+    return [default - 1, default + 1] if default > 1 else [default + 1]
+
+
 def _measure(engine, prompts, max_tokens) -> dict:
     from swiftspec.sampling import SamplingParams
 
@@ -83,6 +99,8 @@ def _measure(engine, prompts, max_tokens) -> dict:
             t_target.append(m.target["busy_s"] / m.target["forwards"])
         if m.draft.get("expansions"):
             t_draft.append(m.draft["expansion_s"] / m.draft["expansions"])
+        elif m.draft.get("forwards"):  # serial: only the draft runner's own counters (prefill included)
+            t_draft.append(m.draft["busy_s"] / m.draft["forwards"])
     return {"tokens_per_s": toks / secs if secs else 0.0, "compression_ratio": toks / verifs if verifs else 0.0,
             "t_target_s": sum(t_target) / len(t_target) if t_target else float("nan"),
             "t_draft_s": sum(t_draft) / len(t_draft) if t_draft else float("nan")}
@@ -121,13 +139,15 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     splits.sort(key=lambda sp: len(sp[1]) != n_draft)
 
     def engine_config(row: dict) -> EngineConfig:
-        return EngineConfig(mode="async", dtype=dtype, target_cores=row["target_cores"],
-                            draft_cores=row["draft_cores"], bs=row["bs"], w=row["w"], topk=row["w"],
-                            d=None if row["d"] == "auto" else row["d"])
+        shared = row["mode"] == "serial"
+        return EngineConfig(mode=row["mode"], dtype=dtype, target_cores=row["target_cores"],
+                            draft_cores=None if shared else row["draft_cores"], bs=row["bs"], w=row["w"],
+                            topk=row["w"], d=None if row["d"] == "auto" else row["d"])
 
     def run(row: dict, explore_d: bool = False) -> list[dict]:
-        """Measure ``row``'s configuration; with ``explore_d`` (automatic d) its measured times
-        give ``d_candidates``, measured on the same engine."""
+        """Measure ``row``'s configuration; with ``explore_d`` (automatic d) the other ``d``
+        values (async: ``d_candidates`` of its measured times; serial: ``serial_d_candidates``)
+        are measured on the same engine."""
         out = []
         with Engine(target_dir, draft_dir, config=engine_config(row)) as eng:
             eng.generate(calib[0], SamplingParams(max_tokens=8))  # warm-up: first touch of the weights
@@ -137,16 +157,22 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
                 meas = _measure(eng, calib, max_tokens)
                 out.append({**row, "d": "auto" if d is None else d, **meas})
                 bar.update()
-                if explore_d and d is None:  # the measured times give r; try d = r and r + 1 as well
+                if explore_d and d is None and row["mode"] == "async":  # the measured times give r
                     ds += d_candidates(meas["t_target_s"], meas["t_draft_s"])
+                elif explore_d and d is None:
+                    ds += serial_d_candidates()
         return out
 
     rows: list[dict] = []
-    bar = tqdm(total=len(splits) * len(shapes) * 3 + 2, desc="candidates", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 2, desc="candidates", file=sys.stderr,
+               disable=not progress)
     for t_dev, d_dev in splits:
         for bs, w in shapes:
-            base = {"round": "sweep", "target_cores": t_dev, "draft_cores": d_dev, "bs": bs, "w": w, "d": "auto"}
+            base = {"round": "sweep", "mode": "async", "target_cores": t_dev, "draft_cores": d_dev, "bs": bs, "w": w,
+                    "d": "auto"}
             rows += run(base, explore_d=True)
+    rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
+                 "bs": dflt.bs, "w": dflt.w, "d": "auto"}, explore_d=True)
     best, again = choose_confirmed(rows, lambda r: run({**r, "round": "confirm"})[0], margin)
     rows += again
     bar.close()
@@ -160,11 +186,12 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| round | target cores | draft cores | bs | w | d | t_target ms | t_draft ms | tokens/s | compression |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| round | mode | target cores | draft cores | bs | w | d | t_target ms | t_draft ms | tokens/s | compression |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = " **chosen**" if r.get("chosen") else ""
-        lines.append(f"| {r.get('round', 'sweep')} | {r['target_cores']} | {r['draft_cores']} | {r['bs']} | {r['w']} | {r['d']} | "
+        lines.append(f"| {r.get('round', 'sweep')} | {r.get('mode', 'async')} | {r['target_cores']} | {r['draft_cores']} | "
+                     f"{r['bs']} | {r['w']} | {r['d']} | "
                      f"{1e3 * r['t_target_s']:.0f} | {1e3 * r['t_draft_s']:.0f} | {r['tokens_per_s']:.2f}{mark} | "
                      f"{r['compression_ratio']:.2f} |")
     return "\n".join(lines)
@@ -198,7 +225,9 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     tmp = Path(f"{args.output}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(best, indent=1))
     os.replace(tmp, args.output)
-    print(f"\nchosen: target cores {best['target_cores']}, draft cores {best['draft_cores']}, bs={best['bs']} "
+    cores = (f"all cores {best['target_cores']} shared" if best["mode"] == "serial" else
+             f"target cores {best['target_cores']}, draft cores {best['draft_cores']}")
+    print(f"\nchosen: {best['mode']}, {cores}, bs={best['bs']} "
           f"w={best['w']} d={best['d'] or 'auto'}: {best['_measured']['tokens_per_s']:.2f} tokens/s -> {args.output}")
     return 0
 
