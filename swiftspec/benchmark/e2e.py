@@ -68,9 +68,7 @@ class EngineSystem:
 
     def __init__(self, system: str, target, draft, dtype: str, cores: list[int], d: int | None,
                  config: str | None = None):
-        from swiftspec.engine import Engine
-
-        from swiftspec.engine import EngineConfig
+        from swiftspec.engine import Engine, EngineConfig
 
         if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
             cfg = EngineConfig.from_json(config, dtype=dtype)
