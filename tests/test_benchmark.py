@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from swiftspec.benchmark.e2e import bar_chart, load_prompts, markdown, overall, summarize
+from swiftspec.benchmark.e2e import (InsufficientMemoryError, bar_chart, check_memory, load_prompts, markdown,
+                                     overall, summarize, weight_bytes)
 
 
 def _rec(system, ds, tps, cr=1.0, match=True):
@@ -19,6 +20,25 @@ def test_load_prompts_from_file_and_errors(tmp_path):
     assert load_prompts(str(f), 2) == ("mine", ["q0", "q1"])
     with pytest.raises(FileNotFoundError):
         load_prompts("no-such-dataset", 1)
+
+
+def test_memory_check_counts_every_system_and_refuses_before_loading(tiny_dir, tiny_draft_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_dir / "model.safetensors"), framework="pt") as st:
+        n_target = sum(st.get_tensor(k).numel() for k in st.keys())
+    systems = ["swiftspec-async", "autoregressive", "hf", "hf-assisted", "llama-cpp"]
+    fp32 = weight_bytes(systems, tiny_dir, tiny_draft_dir, "float32")
+    bf16 = weight_bytes(systems, tiny_dir, tiny_draft_dir, "bfloat16")
+    assert fp32["autoregressive"] == fp32["hf"] == 4 * n_target == 2 * bf16["autoregressive"]
+    n_draft = fp32["swiftspec-async"] - fp32["autoregressive"]  # int8 draft: one byte a parameter
+    assert n_draft > 0 and fp32["hf-assisted"] == 4 * n_target + 4 * n_draft
+    assert fp32["llama-cpp"] == 0
+    total = sum(fp32.values())
+    check_memory(fp32, total)  # fits exactly
+    check_memory(fp32, None)  # unknown: no refusal
+    with pytest.raises(InsufficientMemoryError, match=r"hf-assisted .* fewer systems"):
+        check_memory(fp32, total - 1)
 
 
 def test_tables_and_chart(tmp_path):

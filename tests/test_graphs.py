@@ -24,9 +24,10 @@ def _tree_inputs():
 
 
 def _run(model, step_fn, kv):
-    prefix = torch.tensor([3, 4, 5, 6, 8])
-    causal = torch.ones(5, 5, dtype=torch.bool).tril()
-    model(prefix, torch.arange(5), torch.arange(5), causal, kv)
+    dev = kv.buf.device  # the prefill goes straight to the model, so it must be on the cache's device
+    prefix = torch.tensor([3, 4, 5, 6, 8], device=dev)
+    causal = torch.ones(5, 5, dtype=torch.bool, device=dev).tril()
+    model(prefix, torch.arange(5, device=dev), torch.arange(5, device=dev), causal, kv)
     return step_fn(*_tree_inputs())
 
 

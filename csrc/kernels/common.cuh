@@ -63,19 +63,23 @@ struct Vec16 {
   static constexpr int N = 16 / static_cast<int>(sizeof(T));
 };
 
+// The raw 16 bytes (a load can be issued early and converted when it is used).
+__device__ __forceinline__ uint4 load16_raw(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// 16 raw bytes holding Vec16<T>::N values of T, as fp32 (all-zero bytes give zeros for every T).
 template <typename T>
-__device__ __forceinline__ void load16_as_float(const T* p, float* out);
+__device__ __forceinline__ void raw16_to_float(uint4 v, float* out);
 template <>
-__device__ __forceinline__ void load16_as_float<float>(const float* p, float* out) {
-  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
-  out[0] = v.x;
-  out[1] = v.y;
-  out[2] = v.z;
-  out[3] = v.w;
+__device__ __forceinline__ void raw16_to_float<float>(uint4 v, float* out) {
+  out[0] = __uint_as_float(v.x);
+  out[1] = __uint_as_float(v.y);
+  out[2] = __uint_as_float(v.z);
+  out[3] = __uint_as_float(v.w);
 }
 template <>
-__device__ __forceinline__ void load16_as_float<__nv_bfloat16>(const __nv_bfloat16* p, float* out) {
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void raw16_to_float<__nv_bfloat16>(uint4 v, float* out) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -84,14 +88,18 @@ __device__ __forceinline__ void load16_as_float<__nv_bfloat16>(const __nv_bfloat
   }
 }
 template <>
-__device__ __forceinline__ void load16_as_float<__half>(const __half* p, float* out) {
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void raw16_to_float<__half>(uint4 v, float* out) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
     out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void load16_as_float(const T* p, float* out) {
+  raw16_to_float<T>(load16_raw(p), out);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -94,6 +94,75 @@ class EngineSystem:
         self.engine.close()
 
 
+class InsufficientMemoryError(ValueError):
+    """The systems of one bench run would not fit in memory together (each keeps its own weights)."""
+
+
+def _param_count(model_dir) -> int:
+    """Parameters of a model directory's safetensors files (headers only; nothing is loaded)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                numel = 1
+                for d in st.get_slice(k).get_shape():
+                    numel *= d
+                n += numel
+    return n
+
+
+def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[str, int]:
+    """Estimated resident weight bytes per system (a lower bound: activations, KV caches and
+    runtimes come on top). Engines with a draft keep it int8 (the default ``draft_quant``, about
+    1 byte per parameter); peers keep both models at ``dtype``; llama.cpp maps its GGUF file, which
+    the page cache can drop, so it counts 0."""
+    per = 4 if dtype == "float32" else 2
+    t = _param_count(target_dir) * per
+    need_draft = any(s.startswith("swiftspec") or s == "hf-assisted" for s in systems)
+    d = _param_count(draft_dir) if need_draft else 0
+    out = {}
+    for s in systems:
+        if s.startswith("swiftspec"):
+            out[s] = t + d
+        elif s == "hf-assisted":
+            out[s] = t + d * per
+        elif s == "llama-cpp":
+            out[s] = 0
+        else:  # autoregressive*, hf
+            out[s] = t
+    return out
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo, or None where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(need: dict[str, int], available: int | None) -> None:
+    """Refuse a run whose systems cannot all be resident at once, before anything is loaded.
+
+    Every system of a run stays loaded for the whole run (prompts are interleaved), so their
+    weights add up; past the machine's memory the kernel's OOM killer would end the run with no
+    message and no results. Raises :class:`InsufficientMemoryError` naming each system's share.
+    """
+    total = sum(need.values())
+    if available is None or total <= available:
+        return
+    parts = ", ".join(f"{s} {b / 2**30:.1f}" for s, b in need.items())
+    raise InsufficientMemoryError(
+        f"these systems keep about {total / 2**30:.1f} GiB of weights loaded together ({parts} GiB) but "
+        f"only {available / 2**30:.1f} GiB of memory is available: run fewer systems per invocation "
+        f"(keep autoregressive in each run for the equality column) or use a smaller dtype")
+
+
 def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args):
     from swiftspec.benchmark.peers import HFPeer, LlamaCppPeer
 
@@ -243,6 +312,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for p in ps:
             ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
             prompts.append((ds, list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+    check_memory(weight_bytes(args.systems, target_dir, draft_dir, dtype), available_memory_bytes())
     systems = {}
     records: list[dict] = []
     try:
