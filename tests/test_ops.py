@@ -62,3 +62,17 @@ def test_load_survives_a_stale_torch_build_lock():
     code = "from swiftspec.ops import cpu; cpu.load(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_cuda_swiglu_cut_over_follows_the_h100_measurements():
+    from swiftspec.ops.cuda import fused_swiglu_wins
+
+    MB = 2**20
+    bf16, fp32 = torch.bfloat16, torch.float32
+    # the decode / verification shapes of the default pair stay on the fused kernel
+    assert fused_swiglu_wins(8, 55 * MB, bf16) and fused_swiglu_wins(16, 17 * MB, bf16)
+    assert all(fused_swiglu_wins(m, 235 * MB, fp32) for m in (1, 2, 4, 8))
+    assert fused_swiglu_wins(1, 470 * MB, bf16) and fused_swiglu_wins(2, 235 * MB, bf16)
+    # measured losses go to cuBLAS
+    assert not fused_swiglu_wins(8, 100 * MB, bf16) and not fused_swiglu_wins(4, 235 * MB, torch.float16)
+    assert not fused_swiglu_wins(16, 50 * MB, fp32) and not fused_swiglu_wins(9, 33 * MB, bf16)

@@ -96,7 +96,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], rounds: int, iters: i
 
 
 # ---- SwiGLU ------------------------------------------------------------------------------
-def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS)) -> list[Case]:
+def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS), rows=(1, 8)) -> list[Case]:
     from swiftspec import ops
     from swiftspec.ops import reference
 
@@ -112,7 +112,7 @@ def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODEL
                 continue
             w = torch.randn(2 * i_local, hidden, dtype=dtype, device=device) * 0.02
             wg, wu = w[:i_local].contiguous(), w[i_local:].contiguous()
-            for m in (1, 8):
+            for m in rows:
                 x = torch.randn(m, hidden, dtype=dtype, device=device)
                 for threads in threads_list:
                     torch.set_num_threads(threads)
@@ -358,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=20, help="calls per round")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
                     help="model shapes for swiglu / attention")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8], help="input rows M of the swiglu cases")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the records (median and spread per case) to this file")
     return ap
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
     if args.device == "cpu" and ({"allreduce", "gemm_ar"} & set(args.ops)):
         cases += comm_cases([o for o in args.ops if o in ("allreduce", "gemm_ar")], dtypes, args.rounds, args.iters)
     if "swiglu" in args.ops:
-        cases += swiglu_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
+        cases += swiglu_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models, args.rows)
     if "linear" in args.ops:
         cases += linear_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     if "int8_linear" in args.ops and args.device == "cpu":

@@ -414,12 +414,31 @@ _FLOATS = tuple(DTYPE_CODES)
 # swiglu
 # ---------------------------------------------------------------------------------------------
 
+def fused_swiglu_wins(M: int, weight_bytes: int, dtype: torch.dtype) -> bool:
+    """Whether the fused kernel beats cuBLAS (``x @ W^T`` then SiLU * up) for ``M`` input rows
+    against ``weight_bytes`` bytes of gate + up weights.
+
+    Measured on an H100 (bench/RESULTS.md, "CUDA kernels on an H100", M = 1, 2, 4, 8, 16 over
+    the Llama-3 / Qwen shapes): the kernel is a GEMV with fp32 FMAs, so it wins while streaming
+    the weights is the whole cost and loses once cuBLAS's tensor cores pay off: at M = 9-16
+    beyond ~32 MB of weights (0.26-0.96x at 50 MB and more), and in bf16 / fp16 at M = 4-8
+    beyond ~96 MB (0.73-0.96x at 100-235 MB). Up to M = 2, and in fp32 up to M = 8, it is at
+    least at parity on every measured shape.
+    """
+    if M > 8:
+        return weight_bytes <= 32 * 2**20
+    if M >= 4 and dtype in (torch.bfloat16, torch.float16):
+        return weight_bytes < 96 * 2**20
+    return True
+
+
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     """Fused SwiGLU ``SiLU(x @ W_gate^T) * (x @ W_up^T)`` (see reference.swiglu).
 
     Shapes: x ``[M, K]``, w_gate_up ``[2 * I, K]`` (gate rows first), same CUDA device and dtype
-    (float32, bfloat16 or float16), contiguous. Returns ``[M, I]`` in x's dtype. M <= 16 runs the
-    fused skinny kernel (fp32 accumulation); larger M (prefill) uses cuBLAS through torch.
+    (float32, bfloat16 or float16), contiguous. Returns ``[M, I]`` in x's dtype. The fused skinny
+    kernel (fp32 accumulation) runs where :func:`fused_swiglu_wins` says it is faster (M <= 16
+    only); other shapes, prefill among them, use cuBLAS through torch.
 
     Raises:
         TypeError / ValueError: bad device, dtype, shape or layout.
@@ -431,7 +450,7 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     if w_gate_up.shape[1] != K or w_gate_up.shape[0] % 2 != 0:
         raise ValueError(f"w_gate_up must be [2*I, {K}], got {tuple(w_gate_up.shape)}")
     I = w_gate_up.shape[0] // 2
-    if M > MAX_M:
+    if M > MAX_M or not fused_swiglu_wins(M, w_gate_up.numel() * w_gate_up.element_size(), x.dtype):
         from swiftspec.ops import reference
         return reference.swiglu(x, w_gate_up)
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
