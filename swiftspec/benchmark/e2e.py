@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -105,11 +106,7 @@ def _param_count(model_dir) -> int:
     n = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                numel = 1
-                for d in st.get_slice(k).get_shape():
-                    numel *= d
-                n += numel
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     return n
 
 
@@ -119,9 +116,7 @@ def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[
     1 byte per parameter); peers keep both models at ``dtype``; llama.cpp maps its GGUF file, which
     the page cache can drop, so it counts 0."""
     per = 4 if dtype == "float32" else 2
-    t = _param_count(target_dir) * per
-    need_draft = any(s.startswith("swiftspec") or s == "hf-assisted" for s in systems)
-    d = _param_count(draft_dir) if need_draft else 0
+    t, d = _param_count(target_dir) * per, _param_count(draft_dir)
     out = {}
     for s in systems:
         if s.startswith("swiftspec"):
