@@ -11,10 +11,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                                      "Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
     p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
     p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
-    p.add_argument("--mode", choices=["async", "serial", "autoregressive"], default=None,
-                   help="async = SwiftSpec (default), serial = SwiftSpec-base, autoregressive = target only")
+    p.add_argument("--mode", choices=["auto", "async", "serial", "autoregressive"], default=None,
+                   help="auto = the fastest for this machine (default), async = SwiftSpec, serial = "
+                        "SwiftSpec-base, autoregressive = target only")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default=None,
-                   help="weights and compute (auto: bfloat16 where the CPU has native bf16)")
+                   help="activations, and weights that run dequantized (auto: bfloat16 where the CPU has native bf16)")
+    p.add_argument("--weights", choices=["native", "bfloat16", "float32"], default=None,
+                   help="native = GGUF blocks as in the file, on the quantized kernels (default); "
+                        "bfloat16/float32 = dequantized")
     p.add_argument("--target-cores", type=_int_list, help="comma-separated CPU cores of the target group")
     p.add_argument("--draft-cores", type=_int_list, help="comma-separated CPU cores of the draft group")
     p.add_argument("--target-tp", type=int, help="TP degree (processes) of the target group")
@@ -36,7 +40,7 @@ def _int_list(s: str) -> list[int]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["mode", "dtype", "target_cores", "draft_cores", "target_tp", "draft_tp", "bs", "w", "d", "max_model_len",
+    keys = ["mode", "dtype", "weights", "target_cores", "draft_cores", "target_tp", "draft_tp", "bs", "w", "d", "max_model_len",
             "kernels"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
@@ -63,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(chunk.text, end="", flush=True)
             out = chunk.output or out
         m = out.metrics
-        print(f"\n\n[{m.mode}] {m.num_tokens} tokens, {m.tokens_per_s:.1f} tokens/s decode, "
+        print(f"\n\n[{m.mode} ({m.mode_reason})] {m.num_tokens} tokens, {m.tokens_per_s:.1f} tokens/s decode, "
               f"TTFT {m.ttft_s:.2f} s, compression ratio {m.compression_ratio:.2f}", file=sys.stderr)
     return 0
 

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +27,7 @@ from swiftspec.scheduler import Request
 from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
 
 MODES = ("async", "serial", "autoregressive")
+WEIGHT_FORMATS = ("native", "bfloat16", "float32")
 
 
 class EngineError(RuntimeError):
@@ -92,8 +93,13 @@ class EngineConfig:
     """How the engine lays out its groups (every field has a sensible default).
 
     Attributes:
-        mode: "async" (SwiftSpec), "serial" (SwiftSpec-base) or "autoregressive".
-        dtype: "float32", "bfloat16" or "auto" (bf16 where the CPU has native bf16 dot products).
+        mode: "auto" (default: the fastest mode for this machine, :func:`choose_mode`), "async"
+            (SwiftSpec), "serial" (SwiftSpec-base) or "autoregressive".
+        dtype: activation dtype: "float32", "bfloat16" or "auto" (bf16 where the CPU has native
+            bf16 dot products); also the dtype of weights that run dequantized.
+        weights: "native" (default: GGUF block weights stay as in the file and run on the
+            quantized kernels; float checkpoints stay float), "bfloat16" or "float32" (every
+            weight dequantized).
         target_cores / draft_cores: CPU cores of each group (async); serial and autoregressive
             use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
         target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
@@ -107,14 +113,16 @@ class EngineConfig:
         draft_vocab: the draft proposes only the first ``draft_vocab`` token ids (BPE vocabularies
             put frequent merges first; FR-Spec's observation); None = the whole vocabulary shared
             with the target. Like ``draft_quant`` it changes speed, never the output.
-        kernels: use the latency kernels (CPU twins or CUDA kernels: shared-memory LL all-reduce,
-            fused GEMM + all-reduce, fused SwiGLU, tree attention) where available; False runs
-            PyTorch ops and gloo/NCCL collectives only. Changes speed, never the output (fp32).
+        kernels: use the latency kernels (CPU twins or CUDA kernels: quantized GEMM, shared-memory
+            LL all-reduce, fused GEMM + all-reduce, fused SwiGLU, tree attention) where available;
+            False runs PyTorch ops and gloo/NCCL collectives only. Default: on unless the
+            environment has ``SWIFTSPEC_KERNELS=0``.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
-    mode: str = "async"
+    mode: str = "auto"
     dtype: str = "auto"
+    weights: str = "native"
     target_cores: list[int] | None = None
     draft_cores: list[int] | None = None
     target_tp: int = 1
@@ -131,12 +139,14 @@ class EngineConfig:
     max_model_len: int = 4096
     draft_quant: str = "int8"
     draft_vocab: int | None = 32768
-    kernels: bool = True
+    kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
     start_timeout_s: float = 600.0
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode != "auto" and self.mode not in MODES:
+            raise ValueError(f"mode must be auto or one of {MODES}, got {self.mode!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.d is not None and (not isinstance(self.d, int) or self.d < 1):
@@ -161,6 +171,24 @@ class EngineConfig:
         data = {k: v for k, v in data.items() if k not in ("target", "draft", "_measured")}
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
+
+
+def choose_mode(config: EngineConfig) -> tuple[str, str]:
+    """The mode to run and why: ``config.mode`` unless it is "auto".
+
+    "auto" follows what was measured (bench/RESULTS.md): where every CPU core shares one memory
+    bus (one NUMA node) the target's verification is bound by that bus, so giving the draft cores
+    of their own slows the target more than overlapping saves, and ``serial`` on all cores beats
+    ``async``; with several NUMA nodes each group gets a bus of its own and ``async`` runs.
+    Returns ``(mode, reason)``.
+    """
+    if config.mode != "auto":
+        return config.mode, "as configured"
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    cores = len(_available_cores())
+    if nodes >= 2 and cores >= 2:
+        return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group"
+    return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async"
 
 
 def cpu_has_bf16() -> bool:
@@ -217,7 +245,8 @@ class Engine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = EngineConfig(**{**config.__dict__, **overrides})
-        self.config = config
+        mode, self.mode_reason = choose_mode(config)
+        self.config = config = replace(config, mode=mode)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -307,7 +336,8 @@ class Engine:
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
                                   draft_vocab=min(self.vocab_limit, self.config.draft_vocab or self.vocab_limit),
                                   draft_quant=None if self.config.draft_quant == "none" else self.config.draft_quant,
-                                  kernels=self.config.kernels, tokenizer_file=tok_file)
+                                  kernels=self.config.kernels, weights=self.config.weights,
+                                  tokenizer_file=tok_file)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]
@@ -470,6 +500,8 @@ class Engine:
             target["trace"] = stats.trace
         metrics = RequestMetrics.from_events(self.config.mode, len(req.prompt_ids), t_start, st.events,
                                              stats.accepted, stats.reason, target, draft)
+        metrics.mode_reason = self.mode_reason
+        metrics.kernels = self.kernel_dispatch()
         final = self._text(st.tokens, req.params.stop)
         out = GenerationOutput(final, st.tokens, stats.reason, metrics)
         yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", [], True, out)
@@ -525,6 +557,15 @@ class Engine:
         return text.rstrip("\ufffd")
 
     # ---- lifecycle ----------------------------------------------------------------------
+    def kernel_dispatch(self) -> dict[str, str]:
+        """Which implementation each CPU kernel family runs (:func:`swiftspec.ops.cpu_dispatch`),
+        all "torch" with kernels off; the workers run on this machine and decide the same way."""
+        from swiftspec import ops
+
+        if not self.config.kernels:
+            return {k: "torch" for k in ("quant_gemm", "skinny_gemm", "tree_attention")}
+        return ops.cpu_dispatch()
+
     @property
     def pids(self) -> list[int]:
         """Process ids of the workers (for monitoring and tests)."""

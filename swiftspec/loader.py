@@ -49,7 +49,9 @@ __all__ = [
 ]
 
 # Bump when the layout or the conversion changes, so that old cache entries are redone.
-FORMAT_VERSION = 1
+# 2: native/blocks.safetensors (the GGUF blocks of the weights, kept for the quantized kernels)
+FORMAT_VERSION = 2
+NATIVE_FILE = "native/blocks.safetensors"
 MARKER_NAME = ".complete"
 
 # A shard above this many bytes starts a new safetensors file (HF convention: index.json).
@@ -624,6 +626,8 @@ class _Plan:
     name: str
     shape: tuple[int, ...]
     produce: Callable[[], torch.Tensor]
+    gguf: object = None  # the GGUF tensor it comes from (None: made up, e.g. a zero bias)
+    n_head: int | None = None  # llama q/k: rows to un-permute
 
 
 def _dequantize(tensor) -> torch.Tensor:
@@ -784,7 +788,7 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
         got = _hf_shape(t)
         if got != shape:
             raise ModelLoadError(f"GGUF tensor {gguf_name} has shape {got}, expected {shape} from the metadata")
-        plans.append(_Plan(hf_name, shape, from_gguf(t, n_head)))
+        plans.append(_Plan(hf_name, shape, from_gguf(t, n_head), t, n_head))
 
     add("token_embd.weight", "model.embed_tokens.weight", (vocab, hidden))
     for i in range(n_layers):
@@ -878,6 +882,33 @@ def _write_safetensors(path: Path, plans: list[_Plan], dtype: torch.dtype, tenso
             bar.update(1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_native_blocks(path: Path, plans: list[_Plan]) -> None:
+    """Keep the GGUF blocks of every 2-D weight with a quantized kernel, as they are in the file
+    (``[rows, row_bytes]`` uint8 under the HF name; llama q/k rows un-permuted, whole rows of
+    blocks), in one safetensors file whose metadata ``ggml_types`` maps every 2-D weight's HF name
+    to its ggml type (kernel or not, so the engine can name the types it dequantizes). The
+    kernels read these bytes in place (``swiftspec.ops.quant``); nothing is repacked."""
+    from safetensors.torch import save_file
+
+    from swiftspec.ops import quant
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    types, blocks = {}, {}
+    for p in plans:
+        if p.gguf is None or len(p.shape) != 2:
+            continue
+        t = int(p.gguf.tensor_type)
+        types[p.name] = t
+        if not quant.has_kernel(t) or p.shape[1] % quant.block_values(t):
+            continue
+        raw = torch.from_numpy(np.array(p.gguf.data, dtype=np.uint8).reshape(p.shape[0], -1))
+        if raw.shape[1] != quant.row_bytes(t, p.shape[1]):
+            raise ModelLoadError(f"{p.name}: {raw.shape[1]} bytes per row, expected "
+                                 f"{quant.row_bytes(t, p.shape[1])} for {quant.ggml_name(t)}")
+        blocks[p.name] = _unpermute_rope(raw, p.n_head).contiguous() if p.n_head else raw
+    save_file(blocks, str(path), metadata={"ggml_types": json.dumps(types)})
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -990,6 +1021,7 @@ def convert_gguf(
                     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         finally:
             stream.close()  # stops the prefetch thread if a write failed
+        _write_native_blocks(tmp / NATIVE_FILE, plans)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if gen_config:
             (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")

@@ -34,6 +34,8 @@ class RequestMetrics:
     finish_reason: str | None = None
     target: dict = field(default_factory=dict)
     draft: dict = field(default_factory=dict)
+    mode_reason: str = ""  # why this mode ran (engine.choose_mode)
+    kernels: dict = field(default_factory=dict)  # kernel family -> implementation (ops.cpu_dispatch)
 
     def to_dict(self) -> dict:
         return asdict(self)

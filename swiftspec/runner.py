@@ -25,12 +25,15 @@ class ModelRunner:
         capacity: KV-cache slots (tokens).
         quant: "int8" for int8 weight-only linear layers (draft models), None for none.
         logits_vocab: compute logits for ids ``[0, logits_vocab)`` only (None: all).
+        weights: "native" (GGUF blocks kept), "bfloat16" or "float32" (see :func:`load_model`);
+            ``quant`` applies to the layers that run float weights.
     """
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
-                 capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None):
+                 capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
+                 weights: str = "native"):
         # tree nodes sit up to one tree depth past the cache slots they are stored in
-        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024)
+        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights)
         if quant == "int8":
             self.model.quantize_int8_()
         elif quant not in (None, "none"):

@@ -38,6 +38,7 @@ class WorkerSpec:
             optionally fewer: the most frequent ones).
         draft_quant: "int8" or None: weight-only quantization of the draft model.
         kernels: use the compiled latency kernels and the shared-memory all-reduce (swiftspec.ops).
+        weights: "native", "bfloat16" or "float32" (see :func:`swiftspec.models.llama.load_model`).
     """
 
     rank: int
@@ -50,6 +51,7 @@ class WorkerSpec:
     cores: list[int] | None = None
     threads: int = 1
     dtype: str = "float32"
+    weights: str = "native"
     max_model_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
     draft_vocab: int | None = None
@@ -84,7 +86,7 @@ def _setup(spec: WorkerSpec):
     runners = {}
     for role, path in spec.models.items():
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
-        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), **extra)
+        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, **extra)
     return runners
 
 

@@ -11,6 +11,7 @@ void register_shm_comm(pybind11::module_& m);       // shm_comm.cpp
 void register_swiglu(pybind11::module_& m);         // swiglu.cpp
 void register_tree_attention(pybind11::module_& m); // tree_attention.cpp
 void register_linear(pybind11::module_& m);         // linear.cpp
+void register_quant_gemm(pybind11::module_& m);     // quant_gemm.cpp
 }  // namespace swiftspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   swiftspec::register_swiglu(m);
   swiftspec::register_tree_attention(m);
   swiftspec::register_linear(m);
+  swiftspec::register_quant_gemm(m);
 }

@@ -11,19 +11,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftspec import ops
+from swiftspec.layers.gguf import GGUFWeight
 from swiftspec.layers.quant import quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``[n] int64 -> [n, hidden]``; each rank looks up its rows, the group all-reduces."""
+    """``[n] int64 -> [n, hidden]``; each rank looks up its rows, the group all-reduces.
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = LOCAL, dtype=torch.float32):
+    With ``gguf_type`` (TP = 1) the table stays in the checkpoint's blocks (``self.native``,
+    ``weight`` is None) and the looked-up rows are dequantized.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = LOCAL, dtype=torch.float32,
+                 gguf_type: int | None = None):
         super().__init__()
         self.tp = tp
+        self.dtype = dtype
         self.vocab_size = vocab_size
         self.shard = -(-vocab_size // tp.size)
         self.start = tp.rank * self.shard
+        self.native: GGUFWeight | None = None
+        if gguf_type is not None:
+            if tp.size != 1:
+                raise ValueError("GGUF block weights are supported at TP = 1 only")
+            self.native = GGUFWeight(hidden_size, [vocab_size], [gguf_type])
+            self.register_parameter("weight", None)
+            return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -33,6 +47,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:n].copy_(loaded[self.start:self.start + n])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rows(ids).to(self.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -51,7 +67,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def quantize_int8_(self, keep_float: bool) -> None:
-        """Int8 weight-only LM head; ``keep_float`` keeps the float table (tied embeddings)."""
+        """Int8 weight-only LM head; ``keep_float`` keeps the float table (tied embeddings).
+        GGUF block tables stay as they are."""
+        if self.native is not None:
+            return
         q, scales = quantize_int8(self.weight.data)
         if not keep_float:
             del self.weight
@@ -61,6 +80,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         v = self.vocab_size if limit is None else min(limit, self.vocab_size)
         n_local = max(0, min(self.shard, v - self.start))
+        if self.native is not None:  # TP = 1: rows [0, v) of the block table
+            nat = self.native
+            return ops.quant_linear(h, [nat.parts[0][:v]], nat.types, lambda: [nat.dequantized()[0][:v]])
         if hasattr(self, "qweight"):
             logits = ops.int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
         else:

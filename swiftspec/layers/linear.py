@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from swiftspec import ops
+from swiftspec.layers.gguf import GGUFWeight
 from swiftspec.layers.quant import quantize_int8
 from swiftspec.parallel import LOCAL, TPContext
 
@@ -112,13 +113,26 @@ def gqa_head_layout(num_heads: int, num_kv_heads: int, tp_size: int
 
 
 class LinearBase(nn.Module):
-    """``y = x @ W.T (+ b)`` with ``W`` of shape ``[out_local, in_local]`` (dtype of the model)."""
+    """``y = x @ W.T (+ b)`` with ``W`` of shape ``[out_local, in_local]``.
 
-    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPContext, dtype: torch.dtype):
+    The weight format is fixed when the layer is built: a float ``weight`` in the model's dtype,
+    or, with ``gguf_types`` (one ggml type per part of ``part_sizes`` rows; TP = 1 only), a
+    :class:`GGUFWeight` in ``self.native`` that keeps the checkpoint's blocks (``weight`` is None).
+    """
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPContext, dtype: torch.dtype,
+                 gguf_types: list[int] | None = None, part_sizes: list[int] | None = None):
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.native: GGUFWeight | None = None
+        if gguf_types is not None:
+            if tp.size != 1:
+                raise ValueError("GGUF block weights are supported at TP = 1 only")
+            self.native = GGUFWeight(in_local, part_sizes or [out_local], gguf_types)
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -129,7 +143,10 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def quantize_int8_(self) -> None:
-        """Replace the weight by int8 values plus per-row scales (weight-only quantization)."""
+        """Replace the weight by int8 values plus per-row scales (weight-only quantization);
+        GGUF block weights stay as they are."""
+        if self.native is not None:
+            return
         q, scales = quantize_int8(self.weight.data)
         del self.weight
         self.register_buffer("qweight", q)
@@ -142,6 +159,9 @@ class LinearBase(nn.Module):
         sizes, which adds ``bias`` before its one rounding); int8 weights through
         :func:`swiftspec.ops.int8_linear`, with ``bias`` added afterwards.
         """
+        if self.native is not None:  # float32 sums; the bias before the one rounding
+            y = self.native.matmul(x)
+            return (y if bias is None else y + bias.float()).to(x.dtype)
         if hasattr(self, "qweight"):
             y = ops.int8_linear(x, self.qweight, self.scales)
             return y if bias is None else y + bias
@@ -158,9 +178,10 @@ class ColumnParallelLinear(LinearBase):
     (weight and bias), so their outputs are 0.
     """
 
-    def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32):
+    def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32,
+                 gguf_types: list[int] | None = None):
         self.out_index = _even_index(out_features, tp)
-        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype)
+        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype, gguf_types)
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_shard(param.data, loaded, self.out_index, 0)
@@ -175,10 +196,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, in_features, output_sizes: list[int], bias=False, tp: TPContext = LOCAL,
-                 dtype=torch.float32):
+                 dtype=torch.float32, gguf_types: list[int] | None = None):
         self.part_index = [_even_index(o, tp) for o in output_sizes]
         self.output_sizes = [i.numel() for i in self.part_index]
-        LinearBase.__init__(self, in_features, sum(self.output_sizes), bias, tp, dtype)
+        LinearBase.__init__(self, in_features, sum(self.output_sizes), bias, tp, dtype, gguf_types,
+                            self.output_sizes)
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = self.output_sizes[shard_id]
@@ -197,15 +219,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp: TPContext = LOCAL,
-                 dtype=torch.float32):
+                 dtype=torch.float32, gguf_types: list[int] | None = None):
         self.head_dim = head_dim
         q_heads, kv_heads = gqa_head_layout(num_heads, num_kv_heads, tp.size)
         self.q_heads, self.kv_heads = q_heads[tp.rank], kv_heads[tp.rank]
         self.num_heads, self.num_kv_heads = self.q_heads.numel(), self.kv_heads.numel()
         self.q_index = _heads_to_features(self.q_heads, head_dim)
         self.kv_index = _heads_to_features(self.kv_heads, head_dim)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        LinearBase.__init__(self, hidden_size, out, bias, tp, dtype)
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden_size, q + 2 * kv, bias, tp, dtype, gguf_types, [q, kv, kv])
 
     def weight_loader(self, param, loaded, shard_id=None):
         q = self.q_index.numel()
@@ -229,10 +251,10 @@ class RowParallelLinear(LinearBase):
     """
 
     def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32,
-                 in_index: torch.Tensor | None = None):
+                 in_index: torch.Tensor | None = None, gguf_types: list[int] | None = None):
         self.in_index = _even_index(in_features, tp) if in_index is None else in_index
         self.row_absmax: torch.Tensor | None = None
-        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype)
+        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype, gguf_types)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: not sharded
@@ -243,7 +265,7 @@ class RowParallelLinear(LinearBase):
             self.row_absmax = torch.linalg.vector_norm(loaded, float("inf"), dim=1)
 
     def quantize_int8_(self) -> None:
-        if self.row_absmax is None:
+        if self.row_absmax is None or self.native is not None:
             return super().quantize_int8_()
         # A column holding each row's global |max| makes quantize_int8 pick the scales the
         # unsharded row gets (max is exact), so q and scales equal the TP = 1 slices bit for bit.
@@ -255,6 +277,8 @@ class RowParallelLinear(LinearBase):
         self.row_absmax = None
 
     def forward(self, x):
+        if self.native is not None:  # TP = 1: nothing to reduce
+            return self.matmul(x, self.bias)
         if hasattr(self, "qweight"):  # int8: the quantized GEMM, the all-reduce, the bias once
             y = self.tp.all_reduce(self.matmul(x))
             return y if self.bias is None else y + self.bias

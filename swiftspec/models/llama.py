@@ -8,7 +8,10 @@ positions, the KV-cache slots to write and the attention mask, and returns hidde
 from __future__ import annotations
 
 import glob
+import itertools
+import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -16,24 +19,39 @@ from safetensors import safe_open
 from torch import nn
 
 from swiftspec import ops
+from swiftspec.ops import quant
 from swiftspec.layers.activation import silu_and_mul
 from swiftspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from swiftspec.layers.gguf import SHARD_PART
 from swiftspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from swiftspec.layers.norm import RMSNorm
 from swiftspec.layers.rotary import RotaryEmbedding
+from swiftspec.loader import NATIVE_FILE
 from swiftspec.models.config import ModelConfig
 from swiftspec.models.kv_cache import KVCache
 from swiftspec.parallel import LOCAL, TPContext
 
 
+def _gguf_types(native: dict[str, int] | None, names: list[str]) -> list[int] | None:
+    """The ggml types of a layer's checkpoint tensors ``names`` if all are GGUF blocks with a
+    kernel (the layer then keeps them as they are), else None (float weights)."""
+    if not native:
+        return None
+    types = [native.get(n) for n in names]
+    return types if all(t is not None and quant.has_kernel(t) for t in types) else None
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
+                 native: dict[str, int] | None = None):
         super().__init__()
+        qkv = _gguf_types(native, [f"{prefix}.{p}_proj.weight" for p in "qkv"])
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.attention_bias, tp=tp, dtype=dtype)
+                                          bias=cfg.attention_bias, tp=tp, dtype=dtype, gguf_types=qkv)
         # o_proj's local input columns follow the (possibly padded) local query heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp,
-                                        dtype=dtype, in_index=self.qkv_proj.q_index)
+                                        dtype=dtype, in_index=self.qkv_proj.q_index,
+                                        gguf_types=_gguf_types(native, [f"{prefix}.o_proj.weight"]))
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -52,14 +70,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
+                 native: dict[str, int] | None = None):
         super().__init__()
+        gate_up = _gguf_types(native, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
-                                                       dtype=dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype)
+                                                       dtype=dtype, gguf_types=gate_up)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype,
+                                           gguf_types=_gguf_types(native, [f"{prefix}.down_proj.weight"]))
 
     def forward(self, x):
         gate_up = self.gate_up_proj
+        if gate_up.native is not None:  # fp32 sums, SiLU * up in fp32, one rounding
+            return self.down_proj(silu_and_mul(gate_up.native.matmul(x)).to(x.dtype))
         w = getattr(gate_up, "weight", None)  # None once quantized to int8
         if w is not None and gate_up.bias is None:
             return self.down_proj(ops.swiglu(x, w))
@@ -67,10 +90,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
+                 native: dict[str, int] | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, tp, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
+        self.self_attn = Attention(cfg, tp, dtype, f"{prefix}.self_attn", native)
+        self.mlp = MLP(cfg, tp, dtype, f"{prefix}.mlp", native)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -94,8 +118,11 @@ class LlamaForCausalLM(nn.Module):
     Args:
         cfg: model shape.
         tp: this rank's TP context (LOCAL for one process).
-        dtype: weight and activation dtype (torch.float32 or torch.bfloat16).
+        dtype: activation dtype, and weight dtype of the float weights (torch.float32 or
+            torch.bfloat16).
         max_positions: size of the RoPE tables; positions must stay below it.
+        native: ggml type of each checkpoint tensor (HF names) kept in GGUF blocks; a layer
+            whose tensors all have a quantized kernel keeps them (TP = 1), others are float.
 
     Any TP degree works: heads and the intermediate size are zero-padded where the degree does
     not divide them (see :func:`swiftspec.layers.linear.gqa_head_layout`), with the same output.
@@ -105,17 +132,26 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, native: dict[str, int] | None = None):
         super().__init__()
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
+        if tp.size != 1:
+            native = None
+        embed = _gguf_types(native, ["model.embed_tokens.weight"])
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype,
+                                                   embed[0] if embed else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, f"model.layers.{i}", native)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                     cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        head = embed if cfg.tie_word_embeddings else _gguf_types(native, ["lm_head.weight"])
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, head[0] if head else None)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            if embed:
+                self.lm_head.native = self.embed_tokens.native
+            else:
+                self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -176,7 +212,13 @@ class LlamaForCausalLM(nn.Module):
                     name, shard_id = name.replace(frag, ours), sid
                     break
             if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
+                mod = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+                native = getattr(mod, "native", None)
+                if native is None or not name.endswith(".weight"):
+                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
+                native.weight_loader(None, tensor, shard_id)
+                loaded.add(f"{name[:-len('weight')]}native.parts.{SHARD_PART[shard_id]}")
+                continue
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             tensor = tensor.to(param.dtype)
@@ -185,34 +227,89 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loader(param, tensor, shard_id)
             loaded.add(name)
-        expected = {n for n in params if not (self.cfg.tie_word_embeddings and n == "lm_head.weight")}
+        expected = {n for n in params if not (self.cfg.tie_word_embeddings and n.startswith("lm_head."))}
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint has no weight for {len(missing)} parameters, e.g. {missing[:4]}")
 
 
-def iter_safetensors(model_dir: str | Path):
-    """Yield ``(name, tensor)`` for every tensor of every ``*.safetensors`` file in ``model_dir``."""
+def iter_safetensors(model_dir: str | Path, skip=lambda name: False):
+    """Yield ``(name, tensor)`` for every tensor of every ``*.safetensors`` file in ``model_dir``
+    whose name ``skip`` does not reject."""
     files = sorted(glob.glob(os.path.join(str(model_dir), "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                if not skip(name):
+                    yield name, st.get_tensor(name)
+
+
+def native_types(model_dir: str | Path) -> dict[str, int]:
+    """``{hf_name: ggml type}`` of the GGUF blocks the loader kept beside a converted model
+    (``native/blocks.safetensors``, see :mod:`swiftspec.loader`); empty when there are none."""
+    path = Path(model_dir) / NATIVE_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as st:
+        meta = st.metadata() or {}
+    return {k: int(v) for k, v in json.loads(meta.get("ggml_types", "{}")).items()}
 
 
 def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None) -> LlamaForCausalLM:
+               max_positions: int | None = None, weights: str = "native") -> LlamaForCausalLM:
     """Build the model described by ``model_dir/config.json`` and load this rank's weight shards.
+
+    ``weights``: "native" keeps GGUF blocks with a quantized kernel as they are (TP = 1; layers
+    without one, and every layer at TP > 1, are float in ``dtype``, with a one-line notice naming
+    the block types); "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``.
 
     Raises:
         ModelConfigError: unsupported or broken config.json.
         FileNotFoundError: no safetensors files.
         KeyError: checkpoint and model disagree on parameter names.
+        ValueError: unknown ``weights``.
     """
+    if weights not in ("native", "bfloat16", "float32"):
+        raise ValueError(f"weights must be native, bfloat16 or float32, got {weights!r}")
     cfg = ModelConfig.from_dir(model_dir)
+    native = native_types(model_dir) if weights == "native" else {}
+    if native and tp.size != 1:
+        print(f"swiftspec: GGUF blocks are dequantized to {dtype} at TP = {tp.size} (kernels need TP = 1)",
+              file=sys.stderr)
+        native = {}
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, tp, dtype, max_positions)
-    model.load_weights(iter_safetensors(model_dir))
+        model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native)
+    kept = {n for n in native if _is_native(model, n)}
+    lacking = sorted({quant.ggml_name(t) for n, t in native.items()
+                      if n not in kept and not quant.has_kernel(t) and t not in _FLOAT_GGML_TYPES})
+    if lacking:
+        print(f"swiftspec: no quantized kernel for {', '.join(lacking)}: those layers run dequantized",
+              file=sys.stderr)
+
+    def blocks():
+        if kept:
+            with safe_open(str(Path(model_dir) / NATIVE_FILE), framework="pt") as st:
+                for n in sorted(kept):
+                    yield n, st.get_tensor(n)
+
+    model.load_weights(itertools.chain(iter_safetensors(model_dir, skip=kept.__contains__), blocks()))
     return model.eval()
+
+
+_FLOAT_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: float tensors in any case
+
+
+def _is_native(model: LlamaForCausalLM, hf_name: str) -> bool:
+    """Whether the model keeps checkpoint tensor ``hf_name`` as GGUF blocks."""
+    name = hf_name.removeprefix("model.")
+    for frag, (ours, _) in _STACKED.items():
+        if f".{frag}." in name:
+            name = name.replace(frag, ours)
+            break
+    try:
+        mod = model.get_submodule(name.rsplit(".", 1)[0])
+    except AttributeError:
+        return False
+    return getattr(mod, "native", None) is not None

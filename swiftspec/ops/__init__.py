@@ -55,6 +55,29 @@ def _cuda_module():
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_dispatch() -> dict[str, str]:
+    """The one ISA-dispatch point of the CPU kernels: which implementation each op family runs on
+    this CPU ("torch" where the twin would only have its scalar loop, which loses to PyTorch).
+
+    Keys: ``quant_gemm`` (GGUF blocks: "avx512_vnni", "avx2" or "scalar", picked at run time from
+    cpuid; the scalar loop only where no SIMD one exists), ``skinny_gemm`` (float/int8 weights:
+    "avx512_bf16", "avx512" or "torch") and ``tree_attention`` ("avx512" or "torch"). Recorded in
+    the engine's metrics and the benchmark records. All "torch" when the extension is unavailable.
+    """
+    m = _cpu_module()
+    if m is None:
+        return {"quant_gemm": "torch", "skinny_gemm": "torch", "tree_attention": "torch"}
+    gemm = [i for i in m._linear_impls() if i != "scalar"]
+    attn = [i for i in m._tree_attention_impls() if i != "scalar"]
+    return {"quant_gemm": m.quant_impls()[0], "skinny_gemm": gemm[-1] if gemm else "torch",
+            "tree_attention": attn[-1] if attn else "torch"}
+
+
+def _cpu_twin(family: str) -> bool:
+    return cpu_dispatch()[family] != "torch"
+
+
 def backend(t: torch.Tensor) -> str:
     """Which implementation an op on tensor ``t`` uses: "cuda", "cpu" or "torch"."""
     if not _state["enabled"]:
@@ -73,7 +96,8 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     fp16 on CUDA). Returns ``[M, I]``.
     """
     b = backend(x)
-    if b == "cpu" and x.dtype == w_gate_up.dtype and x.dtype in (torch.float32, torch.bfloat16):
+    if (b == "cpu" and _cpu_twin("skinny_gemm") and x.dtype == w_gate_up.dtype
+            and x.dtype in (torch.float32, torch.bfloat16)):
         return _cpu_module().swiglu(x.contiguous(), w_gate_up)
     if b == "cuda":
         return _cuda_module().swiglu(x.contiguous(), w_gate_up)
@@ -94,7 +118,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     the one rounding); anything else, and anything that needs autograd, is ``F.linear``.
     Raises RuntimeError (from the twin or F.linear) on mismatched dtypes or shapes.
     """
-    if (backend(x) == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and w.dtype == x.dtype
+    if (backend(x) == "cpu" and _cpu_twin("skinny_gemm") and x.dtype in (torch.float32, torch.bfloat16)
+            and w.dtype == x.dtype
             and w.dim() == 2 and x.dim() >= 1 and (bias is None or bias.dtype == x.dtype)
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
@@ -121,8 +146,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     in x's dtype. On the "cpu" backend up to ``_INT8_TWIN_MAX_ROWS`` rows run the weight-streaming
     CPU twin; bigger batches use torch's int8 weight-only kernel; any other case is the reference.
     """
-    if backend(x) == "cpu" and x.dim() == 2 and x.shape[0] <= _INT8_TWIN_MAX_ROWS and x.dtype in (
-            torch.float32, torch.bfloat16):
+    if backend(x) == "cpu" and _cpu_twin("skinny_gemm") and x.dim() == 2 and x.shape[0] <= _INT8_TWIN_MAX_ROWS \
+            and x.dtype in (torch.float32, torch.bfloat16):
         return _cpu_module().int8_linear(x, q, scales)
     return _torch_int8_linear(x, q, scales)
 
@@ -140,6 +165,22 @@ def _torch_int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
     return reference.int8_linear(x, q, scales)
 
 
+def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int], dequantized) -> torch.Tensor:
+    """Linear layer on GGUF block weights: ``[M, K]`` fp32/bf16 -> ``[M, sum N_i]`` float32.
+
+    ``parts[i]`` is a ``[N_i, row_bytes]`` uint8 weight of ggml type ``types[i]``; the rows of x
+    are quantized to int8 once (see :mod:`swiftspec.ops.quant`). On the "cpu" backend the kernel
+    picked for this CPU (AVX-512 VNNI, AVX2 or scalar) reads the blocks in place, for any M; the
+    PyTorch path multiplies the same int8 activations by ``dequantized()`` (float32 copies of the
+    parts). Raises RuntimeError / ValueError on shapes that do not fit the block format.
+    """
+    if backend(x) == "cpu":
+        return _cpu_module().quant_linear(x.contiguous(), parts, types, "auto")
+    from swiftspec.ops import quant
+
+    return quant.torch_linear(x, parts, types, dequantized())
+
+
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
                    scale: float) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see
@@ -148,7 +189,7 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_tabl
     b = backend(q)
     args = (q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_cache, v_cache, slots, positions,
             cos_table, sin_table, mask.contiguous(), float(scale))
-    if b == "cpu":
+    if b == "cpu" and _cpu_twin("tree_attention"):
         return _cpu_module().tree_attention(*args)
     if b == "cuda":
         return _cuda_module().tree_attention(*args)

@@ -1,0 +1,187 @@
+// Quantized skinny GEMM on GGUF block weights: the ATen front of quant_gemm_{scalar,avx2,avx512}.cpp
+// (the block formats and the arithmetic are in quant_blocks.h).
+//
+// quant_linear(x, weights, types) computes y = x @ dequant(W).T for a weight given as one or more
+// parts (e.g. q, k and v of a fused projection, each with its own block type), all sharing x:
+// x's rows are quantized to int8 once per activation format the parts need (Q8_K for the
+// 256-value super-block types, Q8_0 for the 32-value ones, llama.cpp's pairing), then each output
+// column is one pass over its weight row, dotted with every row of x. Threads split the columns
+// (never K), so the result does not depend on the thread count.
+//
+// The kernel is picked at run time from the CPU's features (cpuid through
+// __builtin_cpu_supports), not from the machine that compiled it: AVX-512 VNNI, else AVX2 + FMA +
+// F16C, else the portable scalar loop; `impl` names one for the tests.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "quant_blocks.h"
+
+namespace swiftspec {
+namespace quant {
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+using GemmFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
+
+// The kernels this CPU can run, fastest first.
+std::vector<std::string> impls() {
+  std::vector<std::string> v;
+  if (cpu_has_avx512vnni()) v.emplace_back("avx512_vnni");
+  if (cpu_has_avx2()) v.emplace_back("avx2");
+  v.emplace_back("scalar");
+  return v;
+}
+
+GemmFn kernel(const std::string& name) {
+  const std::string n = name == "auto" ? impls().front() : name;
+  if (n == "avx512_vnni") {
+    TORCH_CHECK(cpu_has_avx512vnni(), "quant_linear: this CPU lacks AVX-512 VNNI");
+    return gemm_avx512vnni;
+  }
+  if (n == "avx2") {
+    TORCH_CHECK(cpu_has_avx2(), "quant_linear: this CPU lacks AVX2/FMA");
+    return gemm_avx2;
+  }
+  TORCH_CHECK(n == "scalar", "quant_linear: unknown impl '", name, "' (auto, scalar, avx2, avx512_vnni)");
+  return gemm_scalar;
+}
+
+// Activations of one format: int8 values, a scale per qk values and (qk = 256) sums per 16.
+struct QuantX {
+  at::Tensor xq, xd, xs;
+};
+
+// Row-wise: d = max|x| / 127 over each block of qk values, q = round-half-even(x * (1 / d)), 0 for
+// an all-zero block. Bit-identical to swiftspec.ops.quant.quantize_activations.
+QuantX quantize(const at::Tensor& x, int qk) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / qk;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  QuantX o;
+  o.xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  o.xd = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  o.xs = at::empty({M, qk == 256 ? K / 16 : 0}, x.options().dtype(at::kShort));
+  const float* src = xf.data_ptr<float>();
+  int8_t* q = o.xq.data_ptr<int8_t>();
+  float* d = o.xd.data_ptr<float>();
+  int16_t* s = o.xs.data_ptr<int16_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = src + m * K + b * qk;
+      float amax = 0.f;
+      for (int i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float db = amax / 127.f;
+      const float id = db != 0.f ? 1.f / db : 0.f;
+      d[m * nb + b] = db;
+      int8_t* qb = q + m * K + b * qk;
+      for (int i = 0; i < qk; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+      if (qk == 256) {
+        for (int j = 0; j < 16; ++j) {
+          int sum = 0;
+          for (int i = 0; i < 16; ++i) sum += qb[16 * j + i];
+          s[m * (K / 16) + b * 16 + j] = static_cast<int16_t>(sum);
+        }
+      }
+    }
+  }
+  return o;
+}
+
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quantize_activations: x must be a [M, K] CPU tensor");
+  TORCH_CHECK(block_bytes(static_cast<int>(type)) > 0, "quantize_activations: no kernel for ggml type ", type);
+  const int qk = block_values(static_cast<int>(type));
+  TORCH_CHECK(x.size(1) % qk == 0, "quantize_activations: K = ", x.size(1), " is not a multiple of ", qk);
+  QuantX o = quantize(x, qk);
+  return {o.xq, o.xd, o.xs};
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                        const std::vector<int64_t>& types, const std::string& impl) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_linear: x must be a [M, K] CPU tensor, got ",
+              x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "quant_linear: one type per weight part");
+  const GemmFn fn = kernel(impl);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<Problem> parts(weights.size());
+  std::vector<int64_t> col0(weights.size() + 1, 0);
+  QuantX qx[2];  // [0]: Q8_0, [1]: Q8_K
+  bool have[2] = {false, false};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const int t = static_cast<int>(types[i]);
+    const int bb = block_bytes(t);
+    TORCH_CHECK(bb > 0, "quant_linear: no kernel for ggml type ", t);
+    const int qk = block_values(t);
+    TORCH_CHECK(K % qk == 0, "quant_linear: K = ", K, " is not a multiple of the block size ", qk);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.stride(1) == 1,
+                "quant_linear: weight part ", i, " must be a [N, row_bytes] uint8 CPU tensor with contiguous rows");
+    TORCH_CHECK(w.size(1) == K / qk * bb, "quant_linear: weight part ", i, " has ", w.size(1),
+                " bytes per row, expected ", K / qk * bb, " for K = ", K, " and ggml type ", t);
+    const int f = is_k_type(t) ? 1 : 0;
+    if (!have[f]) {
+      qx[f] = quantize(x, qk);
+      have[f] = true;
+    }
+    Problem& p = parts[i];
+    p.type = t;
+    p.M = M;
+    p.K = K;
+    p.w = w.data_ptr<uint8_t>();
+    p.row_bytes = w.stride(0);
+    p.xq = qx[f].xq.data_ptr<int8_t>();
+    p.xd = qx[f].xd.data_ptr<float>();
+    p.xs = f ? qx[f].xs.data_ptr<int16_t>() : nullptr;
+    col0[i + 1] = col0[i] + w.size(0);
+  }
+  const int64_t N = col0.back();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t lo = std::max(begin, col0[i]), hi = std::min(end, col0[i + 1]);
+      if (lo < hi) fn(parts[i], lo - col0[i], hi - col0[i], o + lo, N);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace quant
+
+void register_quant_gemm(pybind11::module_& m) {
+  m.def("quant_linear", &quant::quant_linear, pybind11::arg("x"), pybind11::arg("weights"),
+        pybind11::arg("types"), pybind11::arg("impl") = "auto",
+        "y [M, sum N_i] fp32 = x [M, K] (fp32/bf16) @ dequant(W).T for GGUF block weights given as parts "
+        "W_i [N_i, row_bytes] uint8 of ggml types types[i]; impl: auto, scalar, avx2, avx512_vnni");
+  m.def("quant_activations", &quant::quantize_activations, pybind11::arg("x"), pybind11::arg("type"),
+        "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them");
+  m.def("quant_impls", &quant::impls, "the quantized-GEMM kernels this CPU runs, fastest first");
+}
+
+}  // namespace swiftspec

@@ -1,0 +1,34 @@
+// AVX-512 VNNI kernel of the quantized skinny GEMM: vpdpbusd on 256-bit registers (AVX512VL),
+// the same lanes as the AVX2 kernel so the results are bit-identical (quant_gemm_simd.h).
+// Compiled for AVX-512 F/BW/VL/VNNI whatever the build machine; run only where the CPU has them
+// (quant_gemm.cpp checks at run time).
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "quant_blocks.h"
+
+namespace swiftspec {
+namespace quant {
+namespace {
+
+static inline __m256i scale_bcast(int s) { return _mm256_set1_epi32(s); }
+static inline __m256i scale_pair(__m128i s8, int k) {
+  // int32 copies of s8[2k] in lanes 0-3, of s8[2k+1] in lanes 4-7
+  const __m256i w = _mm256_cvtepi8_epi32(s8);
+  return _mm256_permutevar8x32_epi32(w, _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k));
+}
+static inline __m256i dot_k(__m256i q, __m256i x, __m256i s) {
+  return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x), s);
+}
+static inline __m256i dot_0(__m256i aq, __m256i sx) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, sx);
+}
+
+}  // namespace
+}  // namespace quant
+}  // namespace swiftspec
+
+#define QG_ENTRY gemm_avx512vnni
+#include "quant_gemm_simd.h"

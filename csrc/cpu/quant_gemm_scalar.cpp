@@ -1,0 +1,140 @@
+// Portable scalar kernel of the quantized skinny GEMM (quant_blocks.h): the reference the SIMD
+// kernels must match bit for bit, and the path for CPUs without AVX2. It forms the same eight
+// int32 lanes as a 256-bit register would (lane l holds products 4l..4l+3 of each 32-value group)
+// and applies the same float operations in the same order.
+#include "quant_blocks.h"
+
+namespace swiftspec {
+namespace quant {
+namespace {
+
+// One block of one weight row decoded: up to 8 groups of 32 integer values, and per group the
+// scales of its two 16-value halves (32-value types: one group, scale 1, signed values).
+struct Decoded {
+  int ngroups = 0;
+  int q[8][32];
+  int s_lo[8], s_hi[8];
+  float d = 0.f, dmin = 0.f;  // dmin: the min term's block coefficient (0: none)
+  int mn[16];                 // per 16 values (K types)
+};
+
+static void decode(int type, const uint8_t* blk, Decoded& o) {
+  switch (type) {
+    case kQ4_K:
+    case kQ5_K: {
+      const bool q5 = type == kQ5_K;
+      o.ngroups = 8;
+      o.d = load_f16(blk);
+      o.dmin = load_f16(blk + 2);
+      const uint8_t* qh = blk + 16;
+      const uint8_t* qs = blk + (q5 ? 48 : 16);
+      for (int g = 0; g < 8; ++g) {
+        int sc, mn;
+        k4_scale_min(blk + 4, g, &sc, &mn);
+        o.s_lo[g] = o.s_hi[g] = sc;
+        o.mn[2 * g] = o.mn[2 * g + 1] = mn;
+        for (int l = 0; l < 32; ++l) {
+          const int byte = qs[32 * (g / 2) + l];
+          int v = (g & 1) ? (byte >> 4) : (byte & 0xF);
+          if (q5) v |= ((qh[l] >> g) & 1) << 4;
+          o.q[g][l] = v;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      o.ngroups = 8;
+      o.d = load_f16(blk + 208);
+      o.dmin = 32.f * o.d;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, k = g % 4;
+        const uint8_t* ql = blk + 64 * h + (k & 1) * 32;
+        const uint8_t* qh = blk + 128 + 32 * h;
+        o.s_lo[g] = sc[8 * h + 2 * k];
+        o.s_hi[g] = sc[8 * h + 2 * k + 1];
+        for (int l = 0; l < 32; ++l) {
+          const int nib = (k >= 2) ? (ql[l] >> 4) : (ql[l] & 0xF);
+          o.q[g][l] = nib | (((qh[l] >> (2 * k)) & 3) << 4);
+        }
+      }
+      for (int j = 0; j < 16; ++j) o.mn[j] = sc[j];
+      break;
+    }
+    default: {  // Q4_0, Q5_0, Q8_0: signed values, no min term
+      o.ngroups = 1;
+      o.d = load_f16(blk);
+      o.dmin = 0.f;
+      o.s_lo[0] = o.s_hi[0] = 1;
+      if (type == kQ8_0) {
+        for (int l = 0; l < 32; ++l) o.q[0][l] = static_cast<int8_t>(blk[2 + l]);
+      } else {
+        const bool q5 = type == kQ5_0;
+        const uint8_t* qs = blk + (q5 ? 6 : 2);
+        uint32_t qh = 0;
+        if (q5) __builtin_memcpy(&qh, blk + 2, 4);
+        for (int l = 0; l < 32; ++l) {
+          int v = l < 16 ? (qs[l] & 0xF) : (qs[l - 16] >> 4);
+          if (q5) v |= ((qh >> l) & 1) << 4;
+          o.q[0][l] = v - (q5 ? 16 : 8);
+        }
+      }
+    }
+  }
+}
+
+static float hsum8(const float f[8]) {
+  const float a = f[0] + f[4], b = f[1] + f[5], c = f[2] + f[6], e = f[3] + f[7];
+  return (a + c) + (b + e);
+}
+
+}  // namespace
+
+void gemm_scalar(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int qk = block_values(p.type);
+  const int bb = block_bytes(p.type);
+  const int64_t nb = p.K / qk;
+  const bool ktype = is_k_type(p.type);
+  Decoded dec;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wrow = p.w + n * p.row_bytes;
+    // accumulators of every row, kept across the blocks of this column
+    float facc[16][8];
+    for (int64_t m0 = 0; m0 < p.M; m0 += 16) {
+      const int64_t mr = p.M - m0 < 16 ? p.M - m0 : 16;
+      for (int64_t i = 0; i < mr; ++i) {
+        for (int l = 0; l < 8; ++l) facc[i][l] = 0.f;
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        decode(p.type, wrow + b * bb, dec);
+        for (int64_t i = 0; i < mr; ++i) {
+          const int64_t m = m0 + i;
+          const int8_t* x = p.xq + m * p.K + b * qk;
+          const float da = p.xd[m * nb + b];
+          int lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int g = 0; g < dec.ngroups; ++g) {
+            for (int l = 0; l < 8; ++l) {
+              int s = 0;
+              for (int t = 0; t < 4; ++t) s += dec.q[g][4 * l + t] * x[32 * g + 4 * l + t];
+              lanes[l] += s * (l < 4 ? dec.s_lo[g] : dec.s_hi[g]);
+            }
+          }
+          const float scale = dec.d * da;
+          for (int l = 0; l < 8; ++l) facc[i][l] = __builtin_fmaf(static_cast<float>(lanes[l]), scale, facc[i][l]);
+          if (ktype) {
+            const int16_t* xs = p.xs + m * (p.K / 16) + b * 16;
+            const float dm = dec.dmin * da;
+            for (int l = 0; l < 8; ++l) {
+              const int mins = dec.mn[2 * l] * xs[2 * l] + dec.mn[2 * l + 1] * xs[2 * l + 1];
+              facc[i][l] = __builtin_fmaf(-static_cast<float>(mins), dm, facc[i][l]);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < mr; ++i) out[(m0 + i) * ldo + (n - n0)] = hsum8(facc[i]);
+    }
+  }
+}
+
+}  // namespace quant
+}  // namespace swiftspec

@@ -1,0 +1,86 @@
+"""Weights kept in the GGUF file's block format (the ``"native"`` weight format).
+
+A linear layer whose checkpoint tensors are GGUF blocks with a kernel (Q4_0, Q5_0, Q8_0, Q4_K,
+Q5_K, Q6_K) holds a :class:`GGUFWeight` instead of a float ``weight``: one ``[n_i, row_bytes_i]``
+uint8 parameter per part (q, k and v of a fused projection may have different block types, as
+llama.cpp's Q4_K_M mixes Q4_K and Q6_K), each with its own ``weight_loader``. The format is chosen
+when the layer is built (vLLM's ``quant_method``), never by probing a module later. The forward
+is :func:`swiftspec.ops.quant_linear`: the CPU kernel reads the blocks in place
+(``csrc/cpu/quant_gemm*.cpp``); the PyTorch path (kernels off) multiplies the same int8
+activations by a float32 copy of the dequantized weights, made on first use.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from swiftspec import ops
+from swiftspec.ops import quant
+
+SHARD_PART = {None: 0, "q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+
+
+class GGUFWeight(nn.Module):
+    """The block-format weight of one linear layer: ``[N, K]`` as parts of ``part_sizes`` rows.
+
+    Args:
+        in_features: K, a multiple of every part's block size (32 or 256 values).
+        part_sizes: output rows of each part (e.g. q, k, v sizes), summing to N.
+        types: ggml type id of each part (:data:`swiftspec.ops.quant.GGML_TYPES`).
+
+    Raises:
+        ValueError: a type without a kernel, or K not a multiple of a part's block size.
+    """
+
+    def __init__(self, in_features: int, part_sizes: list[int], types: list[int]):
+        super().__init__()
+        if len(part_sizes) != len(types):
+            raise ValueError("one ggml type per part")
+        for t in types:
+            if not quant.has_kernel(t):
+                raise ValueError(f"ggml type {t} has no quantized kernel")
+        self.in_features = in_features
+        self.types = [int(t) for t in types]
+        self.parts = nn.ParameterList(
+            nn.Parameter(torch.empty(n, quant.row_bytes(t, in_features), dtype=torch.uint8), requires_grad=False)
+            for n, t in zip(part_sizes, self.types))
+        for p in self.parts:
+            p.weight_loader = self.weight_loader
+        self._dequantized: list[torch.Tensor] | None = None
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy a checkpoint part (``[n_i, row_bytes_i]`` uint8 blocks) into part ``shard_id``.
+
+        Raises:
+            ValueError: the blocks' shape differs from the part's (another type or shape).
+        """
+        part = self.parts[SHARD_PART[shard_id]]
+        if tuple(loaded.shape) != tuple(part.shape) or loaded.dtype != torch.uint8:
+            raise ValueError(f"GGUF part {shard_id!r}: got {loaded.dtype} {tuple(loaded.shape)}, "
+                             f"expected uint8 {tuple(part.shape)}")
+        part.data.copy_(loaded)
+        self._dequantized = None
+
+    def dequantized(self) -> list[torch.Tensor]:
+        """float32 ``[n_i, K]`` copies of the parts (made once; the PyTorch path's weights)."""
+        if self._dequantized is None:
+            self._dequantized = [quant.dequantize(p.data, t) for p, t in zip(self.parts, self.types)]
+        return self._dequantized
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., K]`` fp32/bf16 -> ``[..., N]`` float32 (all parts side by side)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y = ops.quant_linear(x2, list(self.parts), self.types, self.dequantized)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``ids`` (one part only: embedding tables), ``[len(ids), K]`` float32."""
+        return quant.dequantize(self.parts[0].data[ids], self.types[0])
+
+    def extra_repr(self) -> str:
+        names = [quant.GGML_TYPES[t][0] for t in self.types]
+        return f"in_features={self.in_features}, parts={[p.shape[0] for p in self.parts]}, types={names}"

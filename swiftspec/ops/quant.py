@@ -1,0 +1,166 @@
+"""GGUF block formats in PyTorch: the reference and the fallback of the quantized skinny GEMM.
+
+The weights of a GGUF linear layer stay in the file's block format: a ``[N, row_bytes]`` uint8
+tensor per weight whose row ``n`` is the ``K / QK`` blocks of output feature ``n`` (llama.cpp's
+``block_q4_0`` / ``block_q5_0`` / ``block_q8_0`` with QK = 32, ``block_q4_K`` / ``block_q5_K`` /
+``block_q6_K`` with QK = 256; ggml-common.h). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``) reads
+those bytes in place; this module has the same arithmetic in PyTorch:
+
+* :func:`dequantize` turns blocks into float32 values (tested against the ``gguf`` library's
+  ``gguf.quants.dequantize``), used for embedding lookups and by the PyTorch path;
+* :func:`quantize_activations` forms exactly the kernel's int8 activations (llama.cpp's Q8_0 /
+  Q8_K pairing: one scale per 32 values for the 32-value types, per 256 plus sums of every 16
+  for the K types);
+* :func:`reference_linear` is the test oracle (fp64 sums of dequantized weights times the same
+  int8 activations) and :func:`torch_linear` the PyTorch path with kernels off (fp32 matmul on
+  dequantized weights and the same int8 activations).
+"""
+from __future__ import annotations
+
+import torch
+
+# ggml type id -> (name, values per block, bytes per block), for the types with a kernel
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    6: ("Q5_0", 32, 22),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
+
+
+def ggml_name(ggml_type: int) -> str:
+    """The ggml name of a type id (e.g. 12 -> "Q4_K"), from the ``gguf`` library's table."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(int(ggml_type)).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def has_kernel(ggml_type: int) -> bool:
+    """Whether the quantized GEMM reads this ggml type natively."""
+    return int(ggml_type) in GGML_TYPES
+
+
+def block_values(ggml_type: int) -> int:
+    return GGML_TYPES[int(ggml_type)][1]
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one weight row of ``k`` values. Raises ValueError if ``k`` is not a multiple of
+    the block size, KeyError for a type without a kernel."""
+    name, qk, bb = GGML_TYPES[int(ggml_type)]
+    if k % qk:
+        raise ValueError(f"{name}: {k} values per row is not a multiple of the block size {qk}")
+    return k // qk * bb
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """``[..., 2]`` uint8 (little-endian IEEE half) -> ``[..., 1]`` float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles_k(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K ``qs [..., 128]`` -> ``[..., 8, 32]`` ints: group 2c is the low nibbles of bytes
+    32c..32c+31, group 2c + 1 their high nibbles."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 32).int()
+    return torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(*qs.shape[:-2], 8, 32)
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 packed bytes of a Q4_K/Q5_K block -> ``(scales, mins)``, ``[..., 8]`` ints each
+    (llama.cpp's get_scale_min_k4)."""
+    s = s.int()
+    lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], -1), torch.cat([lo_mn, hi_mn], -1)
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``[N, row_bytes]`` uint8 blocks -> ``[N, K]`` float32 weights.
+
+    Raises:
+        KeyError: a type without a kernel. ValueError: ``row_bytes`` is not whole blocks.
+    """
+    name, qk, bb = GGML_TYPES[int(ggml_type)]
+    n, nbytes = raw.shape
+    if nbytes % bb:
+        raise ValueError(f"{name}: {nbytes} bytes per row is not a whole number of {bb}-byte blocks")
+    blk = raw.reshape(n, nbytes // bb, bb)
+    if name in ("Q4_0", "Q5_0", "Q8_0"):
+        d = _f16(blk[..., 0:2])
+        if name == "Q8_0":
+            q = blk[..., 2:34].contiguous().view(torch.int8).int()
+        else:
+            qs = blk[..., 6:22] if name == "Q5_0" else blk[..., 2:18]
+            q = torch.cat([qs & 0xF, qs >> 4], -1).int()
+            if name == "Q5_0":  # bit i of the little-endian word qh is the 5th bit of value i
+                bits = (blk[..., 2:6].int().unsqueeze(-1) >> torch.arange(8)) & 1
+                q = q | (bits.reshape(*q.shape) << 4)
+            q = q - (16 if name == "Q5_0" else 8)
+        return (q.float() * d).reshape(n, -1)
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        sc, mn = _k4_scales(blk[..., 4:16])
+        q = _nibbles_k(blk[..., 48:176] if name == "Q5_K" else blk[..., 16:144])
+        if name == "Q5_K":  # bit g of qh[l] is the 5th bit of value l of group g
+            q = q | (((blk[..., 16:48].int().unsqueeze(-2) >> torch.arange(8)[:, None]) & 1) << 4)
+        w = (d * sc.float()).unsqueeze(-1) * q.float() - (dmin * mn.float()).unsqueeze(-1)
+        return w.reshape(n, -1)
+    # Q6_K: per half of 128 values, groups 0/1 are the low nibbles of ql[0:32] / ql[32:64], groups
+    # 2/3 their high nibbles; the 2 high bits come from qh bits (0,1), (2,3), (4,5), (6,7).
+    d = _f16(blk[..., 208:210])
+    ql = blk[..., 0:128].reshape(n, -1, 2, 2, 32).int()
+    qh = blk[..., 128:192].reshape(n, -1, 2, 1, 32).int()
+    low = torch.cat([ql & 0xF, ql >> 4], dim=-2)  # [.., half, 4, 32]: k = 0, 1, 2, 3
+    high = (qh >> (2 * torch.arange(4)[:, None])) & 3
+    q = (low | (high << 4)).reshape(n, -1, 8, 32) - 32
+    sc = blk[..., 192:208].contiguous().view(torch.int8).float()
+    sc = sc.reshape(n, -1, 8, 2, 1).expand(n, -1, 8, 2, 16).reshape(n, -1, 8, 32)
+    return (d.unsqueeze(-1) * sc * q.float()).reshape(n, -1)
+
+
+def quantize_activations(x: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's int8 activations for weights of ``ggml_type``, bit for bit.
+
+    Per block of QK values of a row (QK = 32 or 256, :func:`block_values`): ``d = max|x| / 127``,
+    ``q = round_half_even(x * (1 / d))`` (0 for an all-zero block). Shapes: x ``[M, K]`` fp32 or
+    bf16 -> (``[M, K]`` int8, ``[M, K / QK]`` fp32 scales, ``[M, K / 16]`` int16 sums of 16 values
+    for the K types, ``[M, 0]`` otherwise). Raises ValueError if K is not a multiple of QK.
+    """
+    qk = block_values(ggml_type)
+    m, k = x.shape
+    if k % qk:
+        raise ValueError(f"K = {k} is not a multiple of the block size {qk}")
+    xf = x.float().reshape(m, k // qk, qk)
+    d = xf.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = (xf * inv).round().to(torch.int8).reshape(m, k)
+    sums = q.reshape(m, k // 16, 16).sum(-1, dtype=torch.int16) if qk == 256 else q.new_zeros(m, 0, dtype=torch.int16)
+    return q, d.reshape(m, -1), sums
+
+
+def _dequantized_x(x: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> torch.Tensor:
+    q, d, _ = quantize_activations(x, ggml_type)
+    qk = block_values(ggml_type)
+    return (q.to(dtype).reshape(q.shape[0], -1, qk) * d.to(dtype).unsqueeze(-1)).reshape(q.shape)
+
+
+def reference_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """Test oracle of ``quant_linear``: ``[M, K] -> [M, sum N_i]`` float32, the kernel's int8
+    activations times the dequantized weight parts, summed in float64."""
+    outs = [_dequantized_x(x, t, torch.float64) @ dequantize(w, t).double().T for w, t in zip(parts, types)]
+    return torch.cat(outs, dim=-1).float()
+
+
+def torch_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int],
+                 dequantized: list[torch.Tensor]) -> torch.Tensor:
+    """The PyTorch path (kernels off): the kernel's int8 activations times the float32 weights
+    ``dequantized[i] = dequantize(parts[i], types[i])``, fp32 matmul. ``[M, K] -> [M, sum N_i]``."""
+    outs = [_dequantized_x(x, t, torch.float32) @ w.T for w, t in zip(dequantized, types)]
+    return torch.cat(outs, dim=-1)
