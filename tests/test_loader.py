@@ -68,10 +68,10 @@ def _random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
 
 
 def make_gguf(path: Path, arch: str = "qwen2", *, tied: bool = True, quant: Q = Q.Q8_0, seed: int = 0,
-              rope_freqs: np.ndarray | None = None, tokenizer: bool = True) -> dict[str, np.ndarray]:
+              rope_freqs: np.ndarray | None = None, tokenizer: bool = True, ffn_up: Q = Q.F16) -> dict[str, np.ndarray]:
     """Write a tiny GGUF; return the HF-layout float32 weights it encodes.
 
-    Matrices are stored in ``quant``, except ffn_up (F16) and ffn_down (Q4_K, random blocks);
+    Matrices are stored in ``quant``, except ffn_up (``ffn_up``, F16 by default) and ffn_down (Q4_K, random blocks);
     norms and biases are F32.  For lossless storage (F32, F16, the raw Q4_K) the returned value
     is exactly what the file encodes; for Q8_0/Q5_0 it is the value before quantization.
     """
@@ -137,7 +137,7 @@ def make_gguf(path: Path, arch: str = "qwen2", *, tied: bool = True, quant: Q = 
         put(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight", rnd(HIDDEN, HEADS * HEAD_DIM), quant)
         put(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rnd(HIDDEN), Q.F32)
         put(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rnd(FFN, HIDDEN), quant)
-        put(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rnd(FFN, HIDDEN), Q.F16)
+        put(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rnd(FFN, HIDDEN), ffn_up)
         put(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rnd(HIDDEN, FFN), Q.Q4_K)
     put("output_norm.weight", "model.norm.weight", 1 + rnd(HIDDEN), Q.F32)
     if not tied:

@@ -21,6 +21,13 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// fp16 -> fp32 with F16C (exact, the same value as quant_blocks.h's load_f16)
+static inline float load_h(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
 static inline __m256i loadu(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 static inline __m256i nib_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 static inline __m256i nib_hi(__m256i v) {
@@ -71,7 +78,7 @@ static void col_q45k(const uint8_t* wrow, int64_t nb, bool q5, Rows<MR>& r) {
   const int bb = q5 ? 176 : 144;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * bb;
-    const float d = load_f16(blk), dmin = load_f16(blk + 2);
+    const float d = load_h(blk), dmin = load_h(blk + 2);
     // the 6-bit scales and mins of the 8 sub-blocks, 4 per 32-bit word (get_scale_min_k4 on
     // every byte at once)
     uint32_t u[3];
@@ -107,7 +114,7 @@ template <int MR>
 static void col_q6k(const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * 210;
-    const float d = load_f16(blk + 208);
+    const float d = load_h(blk + 208);
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
     const __m256i mn16 = _mm256_cvtepi8_epi16(sc16);
     __m256i acc[MR];
@@ -131,7 +138,7 @@ static void col_q0(int type, const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
   const int bb = block_bytes(type);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * bb;
-    const float d = load_f16(blk);
+    const float d = load_h(blk);
     __m256i q;
     if (type == kQ8_0) {
       q = loadu(blk + 2);
@@ -177,21 +184,25 @@ static void column(const Problem& p, int64_t m0, int64_t n, float* out, int64_t 
 
 }  // namespace
 
-// Columns in tiles of 16; inside a tile the rows go in groups of up to 4 (one set of
+// Columns in tiles of 16; inside a tile the rows go in groups of up to 8 (one set of
 // accumulators in registers), so a column's weights come from memory once and from L1/L2 for
 // the following row groups.
 void QG_ENTRY(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   constexpr int64_t kTile = 16;
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     const int64_t t1 = t0 + kTile < n1 ? t0 + kTile : n1;
-    for (int64_t m0 = 0; m0 < p.M; m0 += 4) {
-      const int64_t mr = p.M - m0 < 4 ? p.M - m0 : 4;
+    for (int64_t m0 = 0; m0 < p.M; m0 += 8) {
+      const int64_t mr = p.M - m0 < 8 ? p.M - m0 : 8;
       for (int64_t n = t0; n < t1; ++n) {
         switch (mr) {
           case 1: column<1>(p, m0, n, out, ldo, n - n0); break;
           case 2: column<2>(p, m0, n, out, ldo, n - n0); break;
           case 3: column<3>(p, m0, n, out, ldo, n - n0); break;
-          default: column<4>(p, m0, n, out, ldo, n - n0); break;
+          case 4: column<4>(p, m0, n, out, ldo, n - n0); break;
+          case 5: column<5>(p, m0, n, out, ldo, n - n0); break;
+          case 6: column<6>(p, m0, n, out, ldo, n - n0); break;
+          case 7: column<7>(p, m0, n, out, ldo, n - n0); break;
+          default: column<8>(p, m0, n, out, ldo, n - n0); break;
         }
       }
     }

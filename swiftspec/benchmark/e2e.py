@@ -33,11 +33,13 @@ ABBREV = {"alpaca": "ALP", "gsm8k": "GSM", "humaneval": "HE", "mt_bench": "MT", 
 PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 3.11, "QA": 2.74, "SUM": 3.56},
                 "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
 SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
-           "swiftspec-serial-nokernels", "autoregressive", "autoregressive-nokernels", "hf", "hf-assisted",
-           "llama-cpp")
+           "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
+           "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
                 "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
-                "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive"}
+                "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
+                "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive"}
+# "-dequantized": every weight dequantized in the activation dtype (the engine before native weights)
 
 
 def prompts_dir() -> Path:
@@ -75,7 +77,8 @@ class EngineSystem:
             cfg = EngineConfig.from_json(config, dtype=dtype)
         else:
             mode = ENGINE_MODES[system]
-            kw: dict = dict(mode=mode, dtype=dtype, kernels=not system.endswith("-nokernels"))
+            kw: dict = dict(mode=mode, dtype=dtype, kernels=not system.endswith("-nokernels"),
+                            weights="float32" if system.endswith("-dequantized") else "native")
             if mode == "async":
                 n_draft = max(1, len(cores) // 4)
                 kw.update(target_cores=cores[:-n_draft], draft_cores=cores[-n_draft:], d=d)

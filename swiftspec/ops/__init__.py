@@ -196,23 +196,44 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_tabl
     return _torch_tree_attention(*args)
 
 
+# Query rows up to which the PyTorch path attends row by row (decode: one-token steps, draft
+# expansions, verification batches): every row then runs the same kernels on the same shapes
+# whatever else is in the batch, so a row's output is bit-identical alone or in a batch (batch
+# invariance); bigger batches (prefills) take SDPA.
+_ROWWISE_MAX_ROWS = 16
+
+
 def _torch_tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table,
                           mask, scale):
-    """The PyTorch path (kernels off or unavailable): RoPE in q's dtype, KV write, then
-    ``F.scaled_dot_product_attention`` over cache slots ``[0, S)`` with the mask materialized.
-    SDPA gives NaN for a fully masked row; the model never builds one (only padded CUDA-graph
-    batches do, and those run the CUDA kernel)."""
+    """The PyTorch path (kernels off or no SIMD twin for this CPU): RoPE in q's dtype, KV write,
+    then attention over cache slots ``[0, S)``: up to ``_ROWWISE_MAX_ROWS`` query rows one row at
+    a time (``[Hk, G, D] @ [Hk, D, S]``, masked softmax in fp32, ``@ [Hk, S, D]``), batch
+    invariant; more rows through ``F.scaled_dot_product_attention`` with the mask materialized.
+    A fully masked row gives NaN; the model never builds one (only padded CUDA-graph batches do,
+    and those run the CUDA kernel)."""
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
     q, k_new = (t * cos + _rotate_half(t) * sin for t in (q, k_new))
     keep = slots >= 0
     k_cache[:, slots[keep]] = k_new[keep].transpose(0, 1)
     v_cache[:, slots[keep]] = v_new[keep].transpose(0, 1)
+    n, hq, d = q.shape
     S = mask.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k_cache[:, :S].unsqueeze(0), v_cache[:, :S].unsqueeze(0),
-        attn_mask=mask.view(1, 1, *mask.shape), scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
+    if n > _ROWWISE_MAX_ROWS:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k_cache[:, :S].unsqueeze(0), v_cache[:, :S].unsqueeze(0),
+            attn_mask=mask.view(1, 1, *mask.shape), scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1).reshape(n, -1)
+    hk = k_cache.shape[0]
+    keys = k_cache[:, :S].float().transpose(1, 2)  # [Hk, D, S]
+    values = v_cache[:, :S].float()  # [Hk, S, D]
+    qf = q.float()
+    out = torch.empty(n, hq * d, dtype=torch.float32)
+    for i in range(n):
+        scores = torch.bmm(qf[i].reshape(hk, hq // hk, d), keys).mul_(scale)
+        scores.masked_fill_(~mask[i], float("-inf"))
+        out[i] = torch.bmm(torch.softmax(scores, dim=-1), values).reshape(-1)
+    return out.to(q.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

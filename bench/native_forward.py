@@ -1,0 +1,94 @@
+"""Target forward time on native GGUF weights against the machine's read bandwidth.
+
+For 1 and 8 rows (a one-token step and a bs = 8 verification) after a 100-token prefill: the
+time of one forward + LM head (best of --rounds), the weight bytes it reads (every block of the
+model's GGUF layers) and the fraction of the read bandwidth that is, the bandwidth being the best
+of 5 ``torch.sum`` passes over a 1 GiB fp32 tensor with the same thread count, measured in the
+same run. Also the same forward with every weight dequantized (``weights="float32"``) and with the
+kernels off (the PyTorch path of the same arithmetic). Prints a table and writes JSON (--out).
+
+    python bench/native_forward.py --threads 2 --out bench/results/native-forward-avx2.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def bandwidth(threads: int) -> float:
+    torch.set_num_threads(threads)
+    big = torch.ones(2 ** 28)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        big.sum()
+        best = max(best, big.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n and "bias" not in n)
+
+
+def time_forward(model, rows: int, rounds: int) -> float:
+    n = 100
+    kv = model.make_kv_cache(256)
+    ids = torch.randint(0, 1000, (n,))
+    pos = torch.arange(n)
+    mask = torch.ones(n, 256, dtype=torch.bool).tril()
+    model.compute_logits(model(ids, pos, pos.clone(), mask, kv)[-1:])
+    ids1, pos1, slots = torch.randint(0, 1000, (rows,)), torch.full((rows,), n), torch.arange(n, n + rows)
+    mask1 = torch.zeros(rows, 256, dtype=torch.bool)
+    mask1[:, : n + rows] = True
+    best = float("inf")
+    for _ in range(rounds + 1):
+        t = time.perf_counter()
+        model.compute_logits(model(ids1, pos1, slots, mask1, kv))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    from swiftspec import ops
+    from swiftspec.loader import fetch_default_pair
+    from swiftspec.models.llama import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    target, _ = fetch_default_pair(progress=False)
+    bw = bandwidth(args.threads)
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    model_name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                       if ln.startswith("model name")), platform.processor())
+    rows_out = []
+    for weights, kernels in (("native", True), ("native", False), ("float32", True)):
+        ops.set_kernels(kernels)
+        model = load_model(target, dtype=torch.float32, max_positions=512, weights=weights)
+        nbytes = weight_bytes(model) - model.embed_tokens.native.parts[0].numel() if weights == "native" \
+            else weight_bytes(model) - model.embed_tokens.weight.numel() * 4
+        for rows in (1, 8):
+            t = time_forward(model, rows, args.rounds)
+            rows_out.append({"weights": weights, "kernels": kernels, "rows": rows, "ms": t * 1e3,
+                             "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9, "of_bandwidth": nbytes / t / bw})
+            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} rows={rows:2d} {t * 1e3:8.1f} ms "
+                  f"{nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / bw:5.0%} of {bw / 1e9:.1f} GB/s", flush=True)
+        del model
+    ops.set_kernels(True)
+    record = {"command": "python bench/native_forward.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),
+              "cpu": model_name, "isa": ops.cpu_dispatch(), "cpu_flags": flags.split(":", 1)[-1].split(),
+              "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "rows": rows_out}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

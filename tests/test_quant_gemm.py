@@ -1,0 +1,155 @@
+"""The quantized skinny GEMM on GGUF blocks (csrc/cpu/quant_gemm*.cpp, swiftspec.ops.quant).
+
+Every kernel this CPU can run (an AVX-512 VNNI machine also runs the AVX2 one) is checked against
+the PyTorch reference (same int8 activations, dequantized weights, fp64 sums) and against the
+scalar kernel bit for bit; rows are bit-identical alone or in any batch, at any thread count.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from swiftspec import ops
+from swiftspec.ops import quant
+
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# byte offset of each block's fp16 scale(s)
+_D_OFFSETS = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(t: Q, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """``[rows, row_bytes]`` uint8 of random blocks of type ``t`` with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    _, qk, bb = quant.GGML_TYPES[int(t)]
+    raw = rng.integers(0, 256, size=(rows, k // qk, bb), dtype=np.uint8)
+    for off in _D_OFFSETS[t]:
+        d = rng.uniform(0.001, 0.01, size=(rows, k // qk)).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(rows, k // qk, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def _module():
+    from swiftspec.ops import cpu
+    try:
+        return cpu.load()
+    except cpu.KernelBuildError as e:
+        pytest.skip(f"CPU kernels unavailable: {e}")
+
+
+def _k(t: Q) -> int:
+    return 512 if quant.block_values(t) == 256 else 96
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf_library(t):
+    raw = random_blocks(t, 5, _k(t))
+    want = gguf_dequantize(raw.numpy(), t).reshape(5, -1)
+    assert torch.equal(quant.dequantize(raw, int(t)), torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_activations_bit_identical_to_torch(t):
+    m = _module()
+    x = torch.randn(3, _k(t)) * 3
+    x[1, :32] = 0  # an all-zero block
+    for a, b in zip(m.quant_activations(x, int(t)), quant.quantize_activations(x, int(t))):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 21])
+def test_every_impl_matches_reference_and_scalar(t, rows):
+    m = _module()
+    w = random_blocks(t, 37, _k(t), seed=rows)
+    x = torch.randn(rows, _k(t))
+    want = quant.reference_linear(x, [w], [int(t)])
+    scalar = m.quant_linear(x, [w], [int(t)], "scalar")
+    for impl in m.quant_impls():
+        y = m.quant_linear(x, [w], [int(t)], impl)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(y, scalar), impl  # the same integer lanes and float operations
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(m.quant_linear(xb, [w], [int(t)]), quant.reference_linear(xb, [w], [int(t)]),
+                               rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("t", [Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_rows_are_batch_and_thread_invariant(t):
+    m = _module()
+    w = random_blocks(t, 70, _k(t))
+    x = torch.randn(16, _k(t))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([m.quant_linear(x[i:i + 1], [w], [int(t)]) for i in range(16)])
+        torch.set_num_threads(max(2, threads))
+        for n in (2, 4, 8, 16):
+            for start in range(0, 16, n):
+                assert torch.equal(m.quant_linear(x[start:start + n], [w], [int(t)]), alone[start:start + n])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_parts_of_mixed_types_equal_separate_calls():
+    m = _module()
+    k = 512
+    parts = [random_blocks(Q.Q4_K, 24, k, 1), random_blocks(Q.Q8_0, 8, k, 2), random_blocks(Q.Q6_K, 8, k, 3)]
+    types = [int(Q.Q4_K), int(Q.Q8_0), int(Q.Q6_K)]
+    x = torch.randn(5, k)
+    fused = m.quant_linear(x, parts, types)
+    assert torch.equal(fused, torch.cat([m.quant_linear(x, [p], [t]) for p, t in zip(parts, types)], dim=1))
+
+
+def test_pytorch_path_matches_kernel():
+    t = int(Q.Q4_K)
+    w = random_blocks(Q.Q4_K, 40, 512)
+    x = torch.randn(4, 512)
+    want = quant.reference_linear(x, [w], [t])
+    ops.set_kernels(False)
+    try:
+        y = ops.quant_linear(x, [w], [t], lambda: [quant.dequantize(w, t)])
+    finally:
+        ops.set_kernels(True)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_bad_shapes_raise():
+    m = _module()
+    w = random_blocks(Q.Q4_K, 4, 512)
+    with pytest.raises(RuntimeError, match="multiple of the block size"):
+        m.quant_linear(torch.randn(2, 300), [w], [int(Q.Q4_K)])
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        m.quant_linear(torch.randn(2, 256), [w], [int(Q.Q4_K)])
+    with pytest.raises(RuntimeError, match="no kernel"):
+        m.quant_linear(torch.randn(2, 512), [w], [int(Q.Q3_K)])
+    with pytest.raises(RuntimeError, match="unknown impl"):
+        m.quant_linear(torch.randn(2, 512), [w], [int(Q.Q4_K)], "sse9")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
+    m = _module()
+    flags = _cpu_flags()
+    d = ops.cpu_dispatch()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        assert d["quant_gemm"] == "avx512_vnni"
+    elif {"avx2", "fma"} <= flags:
+        assert d["quant_gemm"] == "avx2"
+    # the float twins have AVX-512 loops only: elsewhere PyTorch runs, never their scalar loop
+    for family, compiled in (("skinny_gemm", m._linear_impls()), ("tree_attention", m._tree_attention_impls())):
+        assert d[family] != "scalar"
+        assert (d[family] == "torch") == (compiled == ["scalar"])
