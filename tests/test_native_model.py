@@ -72,16 +72,36 @@ def test_serial_greedy_equals_autoregressive_on_native_weights(gguf_dirs):
     assert outs["serial"] == outs["autoregressive"]
 
 
+def _tree_step(model, ids, positions, slots, visible, kv):
+    mask = torch.zeros(len(ids), 128, dtype=torch.bool)
+    for i, v in enumerate(visible):
+        mask[i, v] = True
+    return model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), mask, kv))
+
+
 def test_verification_batch_equals_one_token_forwards(gguf_dirs):
-    """With every linear layer on GGUF blocks, a row of a multi-token forward is bit-identical to
-    the same token run alone (the quantized GEMM and the PyTorch attention path are batch
-    invariant; the float twins are not used on such a model's linear layers)."""
+    """With every linear layer on GGUF blocks, each node of a verification tree gives bit for bit
+    the logits of its token decoded alone after its ancestors (the quantized GEMM and the
+    row-wise attention are batch invariant; masked-out siblings change nothing)."""
     m = load_model(gguf_dirs[2], dtype=torch.float32, weights="native")
     assert m.layers[0].mlp.gate_up_proj.native is not None
-    prompt, cont = [5, 9, 77, 3], [41, 8, 100, 7, 19, 23, 2, 60]
-    kv1 = m.make_kv_cache(64)
-    _step(m, prompt, 0, kv1)
-    singles = torch.cat([_step(m, [t], len(prompt) + i, kv1) for i, t in enumerate(cont)])
-    kv2 = m.make_kv_cache(64)
-    _step(m, prompt, 0, kv2)
-    assert torch.equal(_step(m, cont, len(prompt), kv2), singles)
+    L = 60
+    prompt = [(7 * i + 3) % 200 for i in range(L)]
+    prefix = list(range(L))
+    # tree: 0 -> {1, 2}, 2 -> 3 (node 1 a sibling of node 2), in slots L..L+3
+    toks, parents, depth = [41, 8, 100, 7], [-1, 0, 0, 2], [0, 1, 1, 2]
+    visible = []
+    for i in range(4):
+        anc, j = [], i
+        while j >= 0:
+            anc.append(L + j)
+            j = parents[j]
+        visible.append(prefix + sorted(anc))
+    kv = m.make_kv_cache(128)
+    _tree_step(m, prompt, list(range(L)), list(range(L)), [list(range(i + 1)) for i in range(L)], kv)
+    batch = _tree_step(m, toks, [L + d for d in depth], list(range(L, L + 4)), visible, kv)
+    kv1 = m.make_kv_cache(128)  # the path 0 -> 2 -> 3 decoded one token at a time
+    _tree_step(m, prompt, list(range(L)), list(range(L)), [list(range(i + 1)) for i in range(L)], kv1)
+    for k, node in enumerate((0, 2, 3)):
+        single = _tree_step(m, [toks[node]], [L + k], [L + k], [list(range(L + k + 1))], kv1)
+        assert torch.equal(batch[node], single[0]), node

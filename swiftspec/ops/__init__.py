@@ -207,10 +207,10 @@ def _torch_tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, c
                           mask, scale):
     """The PyTorch path (kernels off or no SIMD twin for this CPU): RoPE in q's dtype, KV write,
     then attention over cache slots ``[0, S)``: up to ``_ROWWISE_MAX_ROWS`` query rows one row at
-    a time (``[Hk, G, D] @ [Hk, D, S]``, masked softmax in fp32, ``@ [Hk, S, D]``), batch
-    invariant; more rows through ``F.scaled_dot_product_attention`` with the mask materialized.
-    A fully masked row gives NaN; the model never builds one (only padded CUDA-graph batches do,
-    and those run the CUDA kernel)."""
+    a time over the keys the row sees (gathered: ``[Hk, G, D] @ [Hk, D, s_i]``, softmax in fp32,
+    ``@ [Hk, s_i, D]``), batch invariant; more rows through ``F.scaled_dot_product_attention``
+    with the mask materialized. A fully masked row gives zeros row-wise and NaN through SDPA; the
+    model never builds one (only padded CUDA-graph batches do, and those run the CUDA kernel)."""
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
     q, k_new = (t * cos + _rotate_half(t) * sin for t in (q, k_new))
@@ -225,13 +225,15 @@ def _torch_tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, c
             attn_mask=mask.view(1, 1, *mask.shape), scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1).reshape(n, -1)
     hk = k_cache.shape[0]
-    keys = k_cache[:, :S].float().transpose(1, 2)  # [Hk, D, S]
-    values = v_cache[:, :S].float()  # [Hk, S, D]
     qf = q.float()
     out = torch.empty(n, hq * d, dtype=torch.float32)
     for i in range(n):
-        scores = torch.bmm(qf[i].reshape(hk, hq // hk, d), keys).mul_(scale)
-        scores.masked_fill_(~mask[i], float("-inf"))
+        # only the keys this row sees, in slot order: a tree node and the same token decoded
+        # alone see the same keys with the same values, so every shape and sum is the same
+        seen = mask[i].nonzero().squeeze(1)
+        keys = k_cache.index_select(1, seen).float()  # [Hk, s_i, D]
+        values = v_cache.index_select(1, seen).float()
+        scores = torch.bmm(qf[i].reshape(hk, hq // hk, d), keys.transpose(1, 2)).mul_(scale)
         out[i] = torch.bmm(torch.softmax(scores, dim=-1), values).reshape(-1)
     return out.to(q.dtype)
 
