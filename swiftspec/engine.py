@@ -173,14 +173,16 @@ class EngineConfig:
         return cls(**data)
 
 
-def choose_mode(config: EngineConfig) -> tuple[str, str]:
+def choose_mode(config: EngineConfig, target_native: bool = False) -> tuple[str, str]:
     """The mode to run and why: ``config.mode`` unless it is "auto".
 
-    "auto" follows what was measured (bench/RESULTS.md): where every CPU core shares one memory
-    bus (one NUMA node) the target's verification is bound by that bus, so giving the draft cores
-    of their own slows the target more than overlapping saves, and ``serial`` on all cores beats
-    ``async``; with several NUMA nodes each group gets a bus of its own and ``async`` runs.
-    Returns ``(mode, reason)``.
+    "auto" follows what was measured (bench/RESULTS.md): with several NUMA nodes each group gets a
+    memory bus of its own and ``async`` runs. Where every core shares one bus: a target on GGUF
+    blocks (``target_native``) whose quantized kernel has no VNNI (AVX2 or scalar: an 8-row
+    verification is compute bound, ~3.4x a one-token step) decodes fastest ``autoregressive``
+    (run 10: 9.84 tokens/s against 8.38 for the best ``serial``); otherwise ``serial`` on all
+    cores beats ``async`` (runs 6/7), since splitting the bus slows the target more than
+    overlapping saves. Returns ``(mode, reason)``.
     """
     if config.mode != "auto":
         return config.mode, "as configured"
@@ -188,6 +190,13 @@ def choose_mode(config: EngineConfig) -> tuple[str, str]:
     cores = len(_available_cores())
     if nodes >= 2 and cores >= 2:
         return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group"
+    if target_native and config.weights == "native":
+        from swiftspec import ops
+
+        isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
+        if isa != "avx512_vnni":
+            return "autoregressive", (f"auto: quantized GEMM on {isa}, where a verification batch costs "
+                                      "more than the tokens it saves")
     return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async"
 
 
@@ -245,15 +254,16 @@ class Engine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = EngineConfig(**{**config.__dict__, **overrides})
-        mode, self.mode_reason = choose_mode(config)
+        from swiftspec.loader import resolve_model
+        from swiftspec.models.llama import native_types
+
+        self.target_path = resolve_model(target, "target", cache_dir)
+        mode, self.mode_reason = choose_mode(config, bool(native_types(self.target_path)))
         self.config = config = replace(config, mode=mode)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
-        from swiftspec.loader import resolve_model
-
-        self.target_path = resolve_model(target, "target", cache_dir)
         self.draft_path = resolve_model(draft, "draft", cache_dir) if config.mode != "autoregressive" else None
         self._load_tokenizer()
         self._start_workers()
