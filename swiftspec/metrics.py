@@ -1,4 +1,4 @@
-"""Per-request metrics (DESIGN.md §7).
+"""Per-request metrics (README.md, "Python API").
 
 Definitions (units: seconds, tokens):
 - ``ttft_s``: from the ``generate`` call to the first token's verification.

@@ -1,10 +1,10 @@
 """Tensor-parallel process groups and the collectives the TP layers use.
 
-A *group* (draft group or target group, DESIGN.md §1) is a set of processes that shard one model
+A *group* (draft group or target group, README.md ("How it works")) is a set of processes that shard one model
 Megatron style. On CPU the collectives run over torch.distributed with the gloo backend; on CUDA
 over NCCL. ``TPContext`` is what a layer sees: its rank inside the group, the group size (the TP
 degree) and the collectives it needs. On CPU, when every rank of a group runs on one host, a group
-can also carry a shared-memory communicator (:mod:`swiftspec.comm`, the LL all-reduce of DESIGN.md
+can also carry a shared-memory communicator (:mod:`swiftspec.comm`, the LL all-reduce of the SwiftSpec paper
 section 6): the all-reduce and the row-parallel GEMM + all-reduce then use it instead of gloo.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decoding loops of the three modes, sharing every step function (DESIGN.md §3, §7).
+"""The decoding loops of the three modes, sharing every step function (SwiftSpec paper §3.1, Algorithm 1).
 
 - ``async`` (SwiftSpec, Algorithm 1): the draft leader and the target leader run
   :func:`run_async_draft` and :func:`run_async_target` in separate processes, exchanging only

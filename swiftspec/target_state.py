@@ -1,6 +1,6 @@
 """The target side of one request: prefill, verification forward, walk and KV compaction.
 
-Verify and accept halves of the loop. Invariant (DESIGN.md §3): before each verification the
+Verify and accept halves of the loop. Invariant (SwiftSpec paper §3.1): before each verification the
 target's prefix cache holds the KV of every verified token except the root, in slots
 ``[0, L)``; the root was sampled, never run.
 """

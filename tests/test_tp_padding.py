@@ -1,4 +1,4 @@
-"""Any TP degree by zero-padding heads and the intermediate size (DESIGN.md §5, paper §4).
+"""Any TP degree by zero-padding heads and the intermediate size (SwiftSpec paper §4).
 
 The TP > 1 models run in gloo worker processes (spawned, one per rank) and must give the TP = 1
 logits; the head layout itself is checked in process.

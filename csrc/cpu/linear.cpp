@@ -3,7 +3,7 @@
 //
 // At decode time x has M <= 16 rows, the layer is bound by streaming w once, and the
 // weight-streaming core of skinny_gemm.h (one weight stream, the store epilogue) beats a GEMM
-// library's packed/blocked GEMM (DESIGN.md section 6). Above 16 rows, or for dtypes other than
+// library's packed/blocked GEMM (SwiftSpec paper section 3.3; README.md, "Kernels"). Above 16 rows, or for dtypes other than
 // fp32/bf16, or a weight whose rows are not contiguous, at::linear is used unchanged.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

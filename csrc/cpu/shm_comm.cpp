@@ -1,6 +1,6 @@
 // Shared-memory LL all-reduce and fused GEMM + all-reduce: the CPU twins of SwiftSpec's
 // latency-optimized communication kernels (paper section 3.3, "Fused GEMM with all reduce";
-// DESIGN.md section 6). The TP ranks of one group are processes on one host; they share one POSIX
+// SwiftSpec paper section 3.3). The TP ranks of one group are processes on one host; they share one POSIX
 // shared-memory segment and exchange data as LL8 words (csrc/include/swiftspec/ll_protocol.h):
 // every 8-byte word carries 4 bytes of payload and the 4-byte flag of the collective's epoch, so a
 // reader knows a word is complete by its flag alone, with no barrier between writer and reader
@@ -758,7 +758,7 @@ class ShmComm {
 void register_shm_comm(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ShmComm>(m, "ShmComm", R"doc(
-Shared-memory LL all-reduce among the TP ranks (processes) of one host (DESIGN.md section 6).
+Shared-memory LL all-reduce among the TP ranks (processes) of one host (SwiftSpec paper section 3.3; README.md, "Kernels").
 
 ShmComm(name, rank, size, create, capacity_bytes, timeout_s): rank 0 creates the POSIX shared
 memory segment ``name`` ('/something'; O_EXCL, zero-filled, 2 * size buffers of capacity_bytes

@@ -3,7 +3,7 @@
 //
 // Decode-time linear layers are skinny (M = tokens per step, 1..16): the op is bound by streaming
 // the weights from memory once, not by arithmetic, so a GEMM library's packing and cache blocking
-// only cost time. This core is a fused GEMV-like pass instead (DESIGN.md section 6; the weight-
+// only cost time. This core is a fused GEMV-like pass instead (SwiftSpec paper section 3.3; the weight-
 // streaming idea of SwiftSpec section 3.3 applied to every linear layer): each thread owns a
 // contiguous range of output columns; for each column n it reads the weight row(s) of n exactly
 // once and dots them with all M rows of x, keeping the accumulators in registers and blocking K by

@@ -1,4 +1,4 @@
-// C ABI of the CUDA latency kernels (DESIGN.md section 6, SwiftSpec paper section 3.3).
+// C ABI of the CUDA latency kernels (SwiftSpec paper section 3.3).
 //
 // Everything here is plain C so that swiftspec/ops/cuda.py can call it with ctypes and the .cu files
 // never include torch headers (the CI machine has a CPU-only torch and no GPU; the kernels only

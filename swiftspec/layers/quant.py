@@ -3,7 +3,7 @@
 The draft only proposes tokens; the target verifies every one of them, so a quantized draft
 cannot change the output, only how often its guesses are accepted. Halving the draft's weight
 bytes makes an expansion cheaper relative to a target verification, which is what raises the
-compression ratio in the asynchronous mode (DESIGN.md §7: compression ~ expansions per target
+compression ratio in the asynchronous mode (compression ~ expansions per target
 forward). Per-output-channel symmetric scales, as torch's ``_weight_int8pack_mm`` expects; the layers
 multiply through :func:`swiftspec.ops.int8_linear`.
 """

@@ -1,4 +1,4 @@
-"""Model configuration for the Llama and Qwen2 families (DESIGN.md §5).
+"""Model configuration for the Llama and Qwen2 families.
 
 The engine reads Hugging Face style ``config.json`` files; :mod:`swiftspec.loader` turns GGUF
 files into such directories first, so one parser serves every input format.

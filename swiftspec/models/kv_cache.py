@@ -4,7 +4,7 @@ One buffer per model, ``[num_layers, 2, kv_heads_local, capacity, head_dim]``. S
 indices: the caller (draft or target state) decides which slots hold the prefix cache (verified
 tokens, contiguous from slot 0) and which hold the tree cache (right after the prefix). Rejected
 entries are never rolled back: they are simply overwritten later (gpt-fast's static cache).
-Reorganizing after a re-root is :meth:`KVCache.move`, a gather into the same buffer (DESIGN.md §4).
+Reorganizing after a re-root is :meth:`KVCache.move`, a gather into the same buffer (SwiftSpec paper §3.2).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Llama and Qwen2 decoder (DESIGN.md §5): RMSNorm, RoPE, GQA, SwiGLU, optional QKV bias,
+"""Llama and Qwen2 decoder : RMSNorm, RoPE, GQA, SwiGLU, optional QKV bias,
 tied embeddings, tensor parallel (nano-vllm layout).
 
 The model knows nothing of trees, processes or scheduling: ``forward`` takes token ids,

@@ -1,5 +1,5 @@
 """One function per latency op; each call goes to the CUDA kernel, the CPU twin or the PyTorch
-path, by the tensors' device and what is available (DESIGN.md section 6).
+path, by the tensors' device and what is available (SwiftSpec paper section 3.3; README.md, "Kernels").
 
 - ``cuda``: ``csrc/kernels/*.cu`` through :mod:`swiftspec.ops.cuda` (tensors on a CUDA device).
 - ``cpu``: the C++ twins ``csrc/cpu/*.cpp`` through :mod:`swiftspec.ops.cpu` (CPU tensors).

@@ -1,4 +1,4 @@
-"""Build, load and call the CUDA latency kernels (``csrc/kernels/*.cu``; DESIGN.md section 6).
+"""Build, load and call the CUDA latency kernels (``csrc/kernels/*.cu``; SwiftSpec paper section 3.3).
 
 The kernels are plain CUDA C++ with an ``extern "C"`` API (``csrc/kernels/api.h``) and no torch
 headers, so they compile on machines with a CPU-only torch. This module

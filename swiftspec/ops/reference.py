@@ -1,6 +1,6 @@
 """PyTorch references of the latency ops: the fallback path and the oracle the kernels are tested
 against. Each function has the same signature and semantics as its CPU twin (``csrc/cpu``) and CUDA
-kernel (``csrc/kernels``); DESIGN.md section 6, SwiftSpec paper section 3.3.
+kernel (``csrc/kernels``); SwiftSpec paper section 3.3.
 """
 from __future__ import annotations
 
