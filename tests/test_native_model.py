@@ -11,6 +11,7 @@ from swiftspec import ops
 from swiftspec.loader import convert_gguf
 from swiftspec.models.llama import load_model
 from tests.test_loader import make_gguf
+from tests.trees import assert_tree_equals_path
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +25,10 @@ def gguf_dirs(tmp_path_factory):
     return out
 
 
-def _step(model, ids, start, kv):
+def _prefill(model, ids, kv):
     n = len(ids)
-    pos = torch.arange(start, start + n)
-    mask = torch.zeros(n, kv.capacity if hasattr(kv, "capacity") else 64, dtype=torch.bool)
-    for i in range(n):
-        mask[i, : start + i + 1] = True
-    return model.compute_logits(model(torch.tensor(ids), pos, pos.clone(), mask, kv))
+    pos = torch.arange(n)
+    return model.compute_logits(model(torch.tensor(ids), pos, pos.clone(), torch.ones(n, n, dtype=torch.bool).tril(), kv))
 
 
 def test_layers_keep_the_blocks_they_have_kernels_for(gguf_dirs, capsys):
@@ -48,15 +46,15 @@ def test_layers_keep_the_blocks_they_have_kernels_for(gguf_dirs, capsys):
 def test_kernels_equal_pytorch_path_and_dequantized_model(gguf_dirs):
     m = load_model(gguf_dirs[0], dtype=torch.float32, weights="native")
     ids = [5, 9, 77, 3, 41, 8]
-    on = _step(m, ids, 0, m.make_kv_cache(64))
+    on = _prefill(m, ids, m.make_kv_cache(64))
     ops.set_kernels(False)
     try:
-        off = _step(m, ids, 0, m.make_kv_cache(64))
+        off = _prefill(m, ids, m.make_kv_cache(64))
     finally:
         ops.set_kernels(True)
     torch.testing.assert_close(on, off, rtol=1e-4, atol=1e-4)
     f = load_model(gguf_dirs[0], dtype=torch.float32, weights="float32")
-    ref = _step(f, ids, 0, f.make_kv_cache(64))  # bf16-converted weights, fp32 activations: close only
+    ref = _prefill(f, ids, f.make_kv_cache(64))  # bf16-converted weights, fp32 activations: close only
     assert (on.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
@@ -72,36 +70,12 @@ def test_serial_greedy_equals_autoregressive_on_native_weights(gguf_dirs):
     assert outs["serial"] == outs["autoregressive"]
 
 
-def _tree_step(model, ids, positions, slots, visible, kv):
-    mask = torch.zeros(len(ids), 128, dtype=torch.bool)
-    for i, v in enumerate(visible):
-        mask[i, v] = True
-    return model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), mask, kv))
-
-
 def test_verification_batch_equals_one_token_forwards(gguf_dirs):
     """With every linear layer on GGUF blocks, each node of a verification tree gives bit for bit
     the logits of its token decoded alone after its ancestors (the quantized GEMM and the
     row-wise attention are batch invariant; masked-out siblings change nothing)."""
     m = load_model(gguf_dirs[2], dtype=torch.float32, weights="native")
     assert m.layers[0].mlp.gate_up_proj.native is not None
-    L = 60
-    prompt = [(7 * i + 3) % 200 for i in range(L)]
-    prefix = list(range(L))
-    # tree: 0 -> {1, 2}, 2 -> 3 (node 1 a sibling of node 2), in slots L..L+3
-    toks, parents, depth = [41, 8, 100, 7], [-1, 0, 0, 2], [0, 1, 1, 2]
-    visible = []
-    for i in range(4):
-        anc, j = [], i
-        while j >= 0:
-            anc.append(L + j)
-            j = parents[j]
-        visible.append(prefix + sorted(anc))
-    kv = m.make_kv_cache(128)
-    _tree_step(m, prompt, list(range(L)), list(range(L)), [list(range(i + 1)) for i in range(L)], kv)
-    batch = _tree_step(m, toks, [L + d for d in depth], list(range(L, L + 4)), visible, kv)
-    kv1 = m.make_kv_cache(128)  # the path 0 -> 2 -> 3 decoded one token at a time
-    _tree_step(m, prompt, list(range(L)), list(range(L)), [list(range(i + 1)) for i in range(L)], kv1)
-    for k, node in enumerate((0, 2, 3)):
-        single = _tree_step(m, [toks[node]], [L + k], [L + k], [list(range(L + k + 1))], kv1)
-        assert torch.equal(batch[node], single[0]), node
+    prompt = [(7 * i + 3) % 200 for i in range(60)]
+    # tree: 0 -> {1, 2}, 2 -> 3 (node 1 a sibling of node 2)
+    assert_tree_equals_path(m, prompt, [41, 8, 100, 7], [-1, 0, 0, 2], [0, 2, 3], capacity=128)

@@ -61,38 +61,15 @@ def test_verification_tree_equals_one_token_forwards(pair):
     tree (siblings masked out) has bit for bit the logits of its token decoded alone."""
     from swiftspec import ops
     from swiftspec.models import load_model
+    from tests.trees import assert_tree_equals_path
 
     if ops.cpu_dispatch()["tree_attention"] != "torch":
         pytest.skip("the AVX-512 tree-attention twin is not batch invariant yet (its split-KV follows the threads)")
 
     target, _ = pair
-    m = load_model(target, dtype=torch.float32)
-    L, C = 120, 256
-    prompt = [(7 * i + 3) % 5000 for i in range(L)]
-
-    def step(ids, pos, slots, visible, kv):
-        mask = torch.zeros(len(ids), C, dtype=torch.bool)
-        for i, v in enumerate(visible):
-            mask[i, v] = True
-        return m.compute_logits(m(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), mask, kv))
-
-    toks, parents, depth = [41, 8, 100, 7, 19, 23, 2, 60], [-1, 0, 0, 2, 3, 3, 5, 6], [0, 1, 1, 2, 3, 3, 4, 5]
-    visible = []
-    for i in range(8):
-        anc, j = [], i
-        while j >= 0:
-            anc.append(L + j)
-            j = parents[j]
-        visible.append(list(range(L)) + sorted(anc))
-    causal = [list(range(i + 1)) for i in range(L)]
-    kv = m.make_kv_cache(C)
-    step(prompt, list(range(L)), list(range(L)), causal, kv)
-    batch = step(toks, [L + d for d in depth], list(range(L, L + 8)), visible, kv)
-    kv1 = m.make_kv_cache(C)
-    step(prompt, list(range(L)), list(range(L)), causal, kv1)
-    for k, node in enumerate([0, 2, 3, 5, 6, 7]):
-        single = step([toks[node]], [L + k], [L + k], [list(range(L + k + 1))], kv1)
-        assert torch.equal(batch[node], single[0]), node
+    prompt = [(7 * i + 3) % 5000 for i in range(120)]
+    assert_tree_equals_path(load_model(target, dtype=torch.float32), prompt, [41, 8, 100, 7, 19, 23, 2, 60],
+                            [-1, 0, 0, 2, 3, 3, 5, 6], [0, 2, 3, 5, 6, 7], capacity=256)
 
 
 def test_greedy_equals_autoregressive_on_six_datasets(pair):

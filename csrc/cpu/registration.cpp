@@ -15,7 +15,7 @@ void register_quant_gemm(pybind11::module_& m);     // quant_gemm.cpp
 }  // namespace swiftspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "SwiftSpec CPU twins of the latency kernels (SwiftSpec paper section 3.3; README.md, "Kernels")";
+  m.doc() = "SwiftSpec CPU twins of the latency kernels (SwiftSpec paper section 3.3)";
   m.attr("ll_flag_bits") = SWIFTSPEC_LL_FLAG_BITS_VALUE;
   swiftspec::register_shm_comm(m);
   swiftspec::register_swiglu(m);

@@ -1,4 +1,4 @@
-// Fused SwiGLU, the CPU twin of the CUDA kernel (SwiftSpec paper section 3.3; SwiftSpec paper section 3.3,
+// Fused SwiGLU, the CPU twin of the CUDA kernel (SwiftSpec paper section 3.3,
 // "Fused SwiGLU": the gate and up tiles of the same input are computed in one pass and
 // SiLU(gate) * up is applied in the epilogue, so the intermediate [M, 2I] never reaches memory).
 //

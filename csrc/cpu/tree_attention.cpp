@@ -1,4 +1,4 @@
-// Tree attention, the CPU twin of the CUDA kernel (SwiftSpec paper section 3.3; SwiftSpec paper section
+// Tree attention, the CPU twin of the CUDA kernel (SwiftSpec paper section
 // 3.3, "Masked attention"): RoPE, KV-cache write and masked attention of a few query tokens over
 // prefix + tree cache with a non-square mask, in one call.
 //

@@ -1,5 +1,5 @@
 // LL ("low latency") all-reduce and fused GEMM + all-reduce over CUDA IPC buffers
-// (SwiftSpec paper section 3.3; SwiftSpec paper section 3.3, Algorithm 2 and Figure 6; the packet format
+// (SwiftSpec paper section 3.3, Algorithm 2 and Figure 6; the packet format
 // is csrc/include/swiftspec/ll_protocol.h, after NCCL's LL16 and mscclpp's LL8).
 //
 // Buffers. Every rank owns one device buffer, exported with cudaIpcGetMemHandle and mapped by every

@@ -1,6 +1,6 @@
 // Tree attention: RoPE + KV write + masked attention of n <= 16 query tokens over the prefix + tree
 // cache, split-KV across blocks with the merge done inside the same kernel by the last-arriving
-// block (SwiftSpec paper section 3.3; SwiftSpec paper section 3.3 "Masked attention"; semantics of
+// block (SwiftSpec paper section 3.3 "Masked attention"; semantics of
 // reference.tree_attention; the log-sum-exp merge of split partials is FlashInfer's merge_state /
 // flash-decoding's combine step, here fused instead of launched separately).
 //
