@@ -65,7 +65,9 @@ def main() -> None:
     args = ap.parse_args()
     target, _ = fetch_default_pair(progress=False)
     bw = bandwidth(args.threads)
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    from swiftspec.ops.cpu import _cpu_flags
+
+    flags = _cpu_flags()
     model_name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                        if ln.startswith("model name")), platform.processor())
     rows_out = []

@@ -46,12 +46,15 @@ bool cpu_has_avx512vnni() {
 
 using GemmFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 
-// The kernels this CPU can run, fastest first.
-std::vector<std::string> impls() {
-  std::vector<std::string> v;
-  if (cpu_has_avx512vnni()) v.emplace_back("avx512_vnni");
-  if (cpu_has_avx2()) v.emplace_back("avx2");
-  v.emplace_back("scalar");
+// The kernels this CPU can run, fastest first (cpuid is read once).
+const std::vector<std::string>& impls() {
+  static const std::vector<std::string> v = [] {
+    std::vector<std::string> r;
+    if (cpu_has_avx512vnni()) r.emplace_back("avx512_vnni");
+    if (cpu_has_avx2()) r.emplace_back("avx2");
+    r.emplace_back("scalar");
+    return r;
+  }();
   return v;
 }
 
@@ -181,7 +184,7 @@ void register_quant_gemm(pybind11::module_& m) {
         "W_i [N_i, row_bytes] uint8 of ggml types types[i]; impl: auto, scalar, avx2, avx512_vnni");
   m.def("quant_activations", &quant::quantize_activations, pybind11::arg("x"), pybind11::arg("type"),
         "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them");
-  m.def("quant_impls", &quant::impls, "the quantized-GEMM kernels this CPU runs, fastest first");
+  m.def("quant_impls", [] { return quant::impls(); }, "the quantized-GEMM kernels this CPU runs, fastest first");
 }
 
 }  // namespace swiftspec

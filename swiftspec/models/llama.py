@@ -22,7 +22,7 @@ from swiftspec import ops
 from swiftspec.ops import quant
 from swiftspec.layers.activation import silu_and_mul
 from swiftspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from swiftspec.layers.gguf import SHARD_PART
+from swiftspec.layers.gguf import SHARD_PART, GGUFWeight
 from swiftspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from swiftspec.layers.norm import RMSNorm
 from swiftspec.layers.rotary import RotaryEmbedding
@@ -192,6 +192,17 @@ class LlamaForCausalLM(nn.Module):
                 mod.quantize_int8_()
         self.lm_head.quantize_int8_(keep_float=self.cfg.tie_word_embeddings)
 
+    def native_weight(self, name: str) -> GGUFWeight | None:
+        """The GGUF block weight that parameter ``name`` (ours, e.g. ``layers.0.mlp.down_proj.weight``)
+        lives in, or None when that layer holds a float weight or there is no such layer."""
+        if not name.endswith(".weight"):
+            return None
+        try:
+            mod = self.get_submodule(name.rsplit(".", 1)[0])
+        except AttributeError:
+            return None
+        return getattr(mod, "native", None)
+
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into this rank's shards.
 
@@ -203,18 +214,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = name.removeprefix("model.")
+            name, shard_id = _param_name(name)
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            shard_id = None
-            for frag, (ours, sid) in _STACKED.items():
-                if f".{frag}." in name:
-                    name, shard_id = name.replace(frag, ours), sid
-                    break
             if name not in params:
-                mod = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
-                native = getattr(mod, "native", None)
-                if native is None or not name.endswith(".weight"):
+                native = self.native_weight(name)
+                if native is None:
                     raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
                 native.weight_loader(None, tensor, shard_id)
                 loaded.add(f"{name[:-len('weight')]}native.parts.{SHARD_PART[shard_id]}")
@@ -281,7 +286,7 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
         native = {}
     with torch.device("cpu"):
         model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native)
-    kept = {n for n in native if _is_native(model, n)}
+    kept = {n for n in native if model.native_weight(_param_name(n)[0]) is not None}
     lacking = sorted({quant.ggml_name(t) for n, t in native.items()
                       if n not in kept and not quant.has_kernel(t) and t not in _FLOAT_GGML_TYPES})
     if lacking:
@@ -301,15 +306,11 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
 _FLOAT_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: float tensors in any case
 
 
-def _is_native(model: LlamaForCausalLM, hf_name: str) -> bool:
-    """Whether the model keeps checkpoint tensor ``hf_name`` as GGUF blocks."""
+def _param_name(hf_name: str) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (our parameter name, shard id): ``model.`` dropped, q/k/v and gate/up
+    mapped onto their fused layers."""
     name = hf_name.removeprefix("model.")
-    for frag, (ours, _) in _STACKED.items():
+    for frag, (ours, sid) in _STACKED.items():
         if f".{frag}." in name:
-            name = name.replace(frag, ours)
-            break
-    try:
-        mod = model.get_submodule(name.rsplit(".", 1)[0])
-    except AttributeError:
-        return False
-    return getattr(mod, "native", None) is not None
+            return name.replace(frag, ours), sid
+    return name, None
