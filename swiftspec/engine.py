@@ -573,7 +573,7 @@ class Engine:
         from swiftspec import ops
 
         if not self.config.kernels:
-            return {k: "torch" for k in ("quant_gemm", "skinny_gemm", "tree_attention")}
+            return {k: "torch" for k in ops.CPU_FAMILIES}
         return ops.cpu_dispatch()
 
     @property

@@ -196,6 +196,38 @@ def test_tree_attention_split_fully_masked(ops, dtype):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [37, 300, 700])
+def test_tree_attention_batch_invariant(ops, dtype, prefix):
+    """A row's output is bit-identical alone or in batches of 2/4/8/16 (any order), whatever the
+    mask width S and the thread count: a verified tree node equals the same token decoded alone.
+    Run for every inner kernel compiled in this build."""
+    n, hq, hk, d = 16, 12, 2, 128
+    C = prefix + n + 40
+    g = torch.Generator().manual_seed(prefix)
+    mask = _tree_mask(n, prefix + n, prefix, g)
+    args = _attn_case(n, hq, hk, d, prefix + n, C, dtype, mask, seed=prefix, drop_slots=False)
+    q, k_new, v_new, k_cache, v_cache, slots, positions, cos, sin, _, scale = args
+    old = torch.get_num_threads()
+    try:
+        for impl in ["auto", *ops._tree_attention_impls()]:
+            kc, vc = k_cache.clone(), v_cache.clone()
+            full = ops._tree_attention_impl(q, k_new, v_new, kc, vc, slots, positions, cos, sin, mask, scale, impl)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for size in (1, 2, 4, 8):
+                    rows = torch.randperm(n, generator=g)[:size]
+                    # any S that covers the rows' keys (a lone decode step has S = its slot + 1)
+                    S = int(torch.randint(int(slots[rows].max()) + 1, C + 1, (1,), generator=g))
+                    m = torch.zeros(size, S, dtype=torch.bool)
+                    m[:, : prefix + n] = mask[rows, : min(S, prefix + n)]
+                    got = ops._tree_attention_impl(q[rows], k_new[rows], v_new[rows], kc, vc, slots[rows],
+                                                   positions[rows], cos, sin, m, scale, impl)
+                    assert torch.equal(got, full[rows]), f"{impl}: rows {rows.tolist()} S={S} threads={threads}"
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_tree_attention_all_masked_and_empty_prefix(ops):
     n, S = 4, 40
     args = _attn_case(n, 4, 2, 64, S, 48, torch.float32, torch.zeros(n, S, dtype=torch.bool))
@@ -256,3 +288,38 @@ def test_tree_attention_bad_input(ops):
              sin=torch.randn(10, 5))
     with pytest.raises(RuntimeError, match="unknown impl"):
         ops._tree_attention_impl(*args, "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (fused residual add)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,H", [(1, 1536), (5, 896), (16, 13), (40, 2048)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_reference(ops, dtype, M, H, with_residual):
+    g = torch.Generator().manual_seed(M * H)
+    x = (torch.randn(M, H, generator=g) * 3).to(dtype)
+    res = torch.randn(M, H, generator=g).to(dtype) if with_residual else None
+    w = torch.randn(H, generator=g).to(dtype)
+    want_y, want_r = reference.rms_norm(x, res, w, 1e-6)
+    y, r = ops.rms_norm(x, res, w, 1e-6)
+    assert y.dtype == dtype and r.dtype == dtype
+    assert torch.equal(r, want_r)  # the residual sum is one rounding in both
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(y.float(), want_y.float(), **tol)
+    # batch invariance: each row alone gives the same bits
+    for i in (0, M - 1):
+        yi, _ = ops.rms_norm(x[i:i + 1], None if res is None else res[i:i + 1], w, 1e-6)
+        assert torch.equal(yi[0], y[i])
+
+
+def test_rms_norm_bad_input(ops):
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(x, None, torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="residual must match"):
+        ops.rms_norm(x, torch.randn(3, 8), w, 1e-6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(x.double(), None, w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match=r"\[M, H\]"):
+        ops.rms_norm(torch.randn(8), None, w, 1e-6)

@@ -139,7 +139,12 @@ def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
         assert d["quant_gemm"] == "avx512_vnni"
     elif {"avx2", "fma"} <= flags:
         assert d["quant_gemm"] == "avx2"
-    # the float twins have AVX-512 loops only: elsewhere PyTorch runs, never their scalar loop
+    # tree attention has AVX2 and AVX-512 loops: one of them runs wherever the CPU has it
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        assert d["tree_attention"] == "avx512"
+    elif {"avx2", "fma"} <= flags:
+        assert d["tree_attention"] == "avx2"
+    # the float GEMM twins have AVX-512 loops only: elsewhere PyTorch runs, never their scalar loop
     for family, compiled in (("skinny_gemm", m._linear_impls()), ("tree_attention", m._tree_attention_impls())):
         assert d[family] != "scalar"
         assert (d[family] == "torch") == (compiled == ["scalar"])

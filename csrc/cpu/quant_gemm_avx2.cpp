@@ -12,7 +12,14 @@ namespace swiftspec {
 namespace quant {
 namespace {
 
-static inline __m256i scale_bcast(int s) { return _mm256_set1_epi16(static_cast<short>(s)); }
+// the 8 unsigned sub-scales of a super-block as int16, in both 128-bit halves
+static inline __m256i scale_table(const uint8_t* sc) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+}
+// sub-scale j in every int16 lane (one vpshufb; j is a constant after unrolling)
+static inline __m256i scale_of(__m256i table, int j) {
+  return _mm256_shuffle_epi8(table, _mm256_set1_epi16(static_cast<short>(0x0100 * (2 * j + 1) + 2 * j)));
+}
 static inline __m256i scale_pair(__m128i s8, int k) {
   // int16 copies of s8[2k] in the low 128 bits, of s8[2k+1] in the high ones
   const __m256i w = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));

@@ -13,7 +13,12 @@ namespace swiftspec {
 namespace quant {
 namespace {
 
-static inline __m256i scale_bcast(int s) { return _mm256_set1_epi32(s); }
+// the 8 unsigned sub-scales of a super-block as int32 lanes
+static inline __m256i scale_table(const uint8_t* sc) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+}
+// sub-scale j in every int32 lane
+static inline __m256i scale_of(__m256i table, int j) { return _mm256_permutevar8x32_epi32(table, _mm256_set1_epi32(j)); }
 static inline __m256i scale_pair(__m128i s8, int k) {
   // int32 copies of s8[2k] in lanes 0-3, of s8[2k+1] in lanes 4-7
   const __m256i w = _mm256_cvtepi8_epi32(s8);

@@ -2,7 +2,8 @@
 // (quant_gemm_avx2.cpp, quant_gemm_avx512.cpp). Each of those files sets its `#pragma GCC
 // target`, defines the three ISA primitives below and then includes this file once:
 //
-//   scale_bcast(s)     one sub-scale in the form dot_k wants, for all 8 lanes
+//   scale_table(sc)    the 8 unsigned sub-scales sc[0..7] of a super-block, kept in a register
+//   scale_of(t, j)     sub-scale j of that table in the form dot_k wants, for all 8 lanes
 //   scale_pair(s8, k)  int8 scales s8[2k] (lanes 0-3) and s8[2k+1] (lanes 4-7), likewise
 //   dot_k(q, x, s)     int32 lanes: s * (sum of 4 consecutive u8 q * s8 x products)
 //   dot_0(aq, sx)      int32 lanes: sum of 4 consecutive u8 aq * s8 sx products
@@ -73,8 +74,8 @@ static inline void k_finish(Rows<MR>& r, const __m256i* acc, int64_t b, float d,
   }
 }
 
-template <int MR>
-static void col_q45k(const uint8_t* wrow, int64_t nb, bool q5, Rows<MR>& r) {
+template <int MR, bool q5>
+static void col_q45k(const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
   const int bb = q5 ? 176 : 144;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * bb;
@@ -88,14 +89,14 @@ static void col_q45k(const uint8_t* wrow, int64_t nb, bool q5, Rows<MR>& r) {
     sm[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);        // scales 4-7
     sm[2] = u[1] & 0x3f3f3f3fu;                                               // mins 0-3
     sm[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4); // mins 4-7
-    uint8_t sc[8];
-    __builtin_memcpy(sc, sm, 8);
+    const __m256i sct = scale_table(reinterpret_cast<const uint8_t*>(sm));
     const __m128i mn8 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 2)));
     const __m256i mn16 = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8), _mm_unpacklo_epi16(mn8, mn8));
     const uint8_t* qs = blk + (q5 ? 48 : 16);
     const __m256i hb = q5 ? loadu(blk + 16) : _mm256_setzero_si256();
     __m256i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = loadu(qs + 32 * c);
       __m256i q0 = nib_lo(raw), q1 = nib_hi(raw);
@@ -103,8 +104,8 @@ static void col_q45k(const uint8_t* wrow, int64_t nb, bool q5, Rows<MR>& r) {
         q0 = _mm256_or_si256(q0, high_bits(hb, 2 * c, 1));
         q1 = _mm256_or_si256(q1, high_bits(hb, 2 * c + 1, 1));
       }
-      k_group<MR>(r, acc, q0, b * 256 + 64 * c, scale_bcast(sc[2 * c]));
-      k_group<MR>(r, acc, q1, b * 256 + 64 * c + 32, scale_bcast(sc[2 * c + 1]));
+      k_group<MR>(r, acc, q0, b * 256 + 64 * c, scale_of(sct, 2 * c));
+      k_group<MR>(r, acc, q1, b * 256 + 64 * c + 32, scale_of(sct, 2 * c + 1));
     }
     k_finish<MR>(r, acc, b, d, dmin, mn16);
   }
@@ -174,8 +175,8 @@ static void column(const Problem& p, int64_t m0, int64_t n, float* out, int64_t 
   }
   const uint8_t* wrow = p.w + n * p.row_bytes;
   switch (p.type) {
-    case kQ4_K: col_q45k<MR>(wrow, nb, false, r); break;
-    case kQ5_K: col_q45k<MR>(wrow, nb, true, r); break;
+    case kQ4_K: col_q45k<MR, false>(wrow, nb, r); break;
+    case kQ5_K: col_q45k<MR, true>(wrow, nb, r); break;
     case kQ6_K: col_q6k<MR>(wrow, nb, r); break;
     default: col_q0<MR>(p.type, wrow, nb, r); break;
   }

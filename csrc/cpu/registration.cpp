@@ -1,5 +1,6 @@
 // The one registration file of the CPU twins: every op's Python binding is declared here and
-// defined in its domain file (shm_comm.cpp, swiglu.cpp, tree_attention.cpp).
+// defined in its domain file (shm_comm.cpp, swiglu.cpp, tree_attention.cpp, linear.cpp,
+// quant_gemm.cpp, rms_norm.cpp).
 #include <torch/extension.h>
 
 #include "swiftspec/ll_protocol.h"
@@ -12,6 +13,7 @@ void register_swiglu(pybind11::module_& m);         // swiglu.cpp
 void register_tree_attention(pybind11::module_& m); // tree_attention.cpp
 void register_linear(pybind11::module_& m);         // linear.cpp
 void register_quant_gemm(pybind11::module_& m);     // quant_gemm.cpp
+void register_rms_norm(pybind11::module_& m);       // rms_norm.cpp
 }  // namespace swiftspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   swiftspec::register_tree_attention(m);
   swiftspec::register_linear(m);
   swiftspec::register_quant_gemm(m);
+  swiftspec::register_rms_norm(m);
 }

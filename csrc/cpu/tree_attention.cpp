@@ -2,12 +2,20 @@
 // 3.3, "Masked attention"): RoPE, KV-cache write and masked attention of a few query tokens over
 // prefix + tree cache with a non-square mask, in one call.
 //
-// Work split (split-KV, as FlashDecoding / FlashInfer): the keys [0, S) are cut into splits of at
-// most kMaxSplit keys; one task per (kv head, query tile, split) computes the partial softmax state
-// of all Hq/Hk query heads of its group for the queries of its tile: running max m, sum l and the
-// unnormalized accumulator, in fp32. Partials are merged with the log-sum-exp rule of FlashInfer's
-// merge_state by the last task of each (kv head, tile) to finish (an atomic arrival counter), the
-// CPU analogue of the paper's last-arriving-block merge: no second pass, no barrier.
+// Work split (split-KV, as FlashDecoding / FlashInfer): the keys [0, S) are cut into splits of
+// kSplit keys at fixed positions (split s holds slots [s * kSplit, (s + 1) * kSplit)); one task per
+// (kv head, query tile, split) computes the partial softmax state of all Hq/Hk query heads of its
+// group for the queries of its tile: running max m, sum l and the unnormalized accumulator, in
+// fp32. Partials are merged with the log-sum-exp rule of FlashInfer's merge_state, in split order,
+// by the last task of each (kv head, tile) to finish (an atomic arrival counter), the CPU analogue
+// of the paper's last-arriving-block merge: no second pass, no barrier.
+//
+// Batch invariance: a row's output depends only on its own query, the keys it sees and their
+// values, never on the other rows, S or the thread count. Split boundaries do not move with S or
+// the threads; every row's scores, exps and sums are computed lane-wise (a row is a lane) in key
+// order; keys a row does not see contribute exact zeros (p = 0); splits it does not see are skipped
+// by the merge, and a merge of one seen split is exact (weight e^0 = 1). So a tree node verified in
+// a batch of 8 and the same token decoded alone get bit-identical outputs.
 //
 // Inside a task the queries x heads of the group are the rows of a small GEMM. Row r = g * W + q
 // (head g of the group, query q of the tile, W = tile width rounded up to a power of two), so a
@@ -16,6 +24,10 @@
 // active keys (the draft's expansion mask is dense over the prefix and sparse over the tree), so
 // masked keys cost one byte test each. Fully masked rows and splits keep m = -inf, l = 0 and
 // contribute nothing; a row masked everywhere returns zeros.
+//
+// Inner kernels: AVX-512 (16-lane row vectors), AVX2 + FMA (8-lane), and a portable scalar loop,
+// chosen by the compile target of this machine's build (ops/cpu.py builds with -march=native, in a
+// build directory keyed by the CPU's flags).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "vec_math.h"
@@ -33,19 +45,23 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SWIFTSPEC_TREE_ATTN_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define SWIFTSPEC_TREE_ATTN_AVX2 1
+#endif
+#if defined(SWIFTSPEC_TREE_ATTN_AVX512) || defined(SWIFTSPEC_TREE_ATTN_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace swiftspec {
 namespace {
 
-constexpr int64_t kMaxSplit = 256;   // keys per split (scores of a split stay in L1/L2)
-constexpr int64_t kMinSplit = 64;    // smallest split when splitting further only feeds threads
+constexpr int64_t kSplit = 256;      // keys per split, at fixed positions (scores stay in L1/L2)
 constexpr int64_t kMaxTileQ = 16;    // queries per tile: one 16-bit query mask per key
 constexpr int64_t kKeyPad = 8;       // score blocks run whole; the active-key list is padded
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-enum class Impl { kScalar, kAvx512 };
+enum class Impl { kScalar, kAvx2, kAvx512 };
 
 using vec::bf16_bits_to_float;
 using vec::float_to_bf16_bits;
@@ -123,13 +139,8 @@ Plan make_plan(const Problem& p) {
   pl.R = p.G * pl.W;
   pl.Rp = round_up(pl.R, 16);
   pl.Dp = round_up(p.D, 16);
-  int64_t nsplit = ceil_div(p.S, kMaxSplit);
-  // Enough tasks for every thread (2 kv heads x 1 tile would leave threads idle on short caches).
-  const int64_t threads = at::get_num_threads();
-  const int64_t groups = p.Hk * pl.ntile;
-  if (groups * nsplit < threads)
-    nsplit = std::max<int64_t>(1, std::min(ceil_div(p.S, kMinSplit), ceil_div(threads, groups)));
-  pl.split = std::max<int64_t>(16, round_up(ceil_div(p.S, nsplit), 16));  // S = 0 still gets a valid plan
+  // Fixed boundaries, never chosen from S or the thread count (batch invariance, see above).
+  pl.split = kSplit;
   pl.nsplit = ceil_div(p.S, pl.split);
   return pl;
 }
@@ -351,6 +362,140 @@ void pv_scalar(const TaskBuffers& t, int64_t Na, const Problem& p, const Plan& p
     }
   }
 }
+
+#ifdef SWIFTSPEC_TREE_ATTN_AVX2
+// The AVX2 kernels: the AVX-512 ones with 8-lane row vectors (Rp is a multiple of 16, so every
+// 16-lane group is two whole 8-lane vectors).
+
+// 0xFFFFFFFF in lane i where bit i of `bits` is set.
+inline __m256 lane_mask8(unsigned bits) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel));
+}
+
+template <int RV, int KB>
+void scores_pass_avx2(const TaskBuffers& t, int64_t Na, const float* qt, int64_t D, int64_t Rp, int64_t v0) {
+  for (int64_t a = 0; a < Na; a += KB) {
+    const float* k[KB];
+#pragma GCC unroll 8
+    for (int b = 0; b < KB; ++b) k[b] = t.krow[a + b];
+    __m256 acc[KB][RV];
+#pragma GCC unroll 8
+    for (int b = 0; b < KB; ++b) {
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) acc[b][v] = _mm256_setzero_ps();
+    }
+    const float* q = qt + v0 * 8;
+    for (int64_t d = 0; d < D; ++d, q += Rp) {
+      __m256 qv[RV];
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) qv[v] = _mm256_loadu_ps(q + 8 * v);
+#pragma GCC unroll 8
+      for (int b = 0; b < KB; ++b) {
+        const __m256 kb = _mm256_broadcast_ss(k[b] + d);
+#pragma GCC unroll 4
+        for (int v = 0; v < RV; ++v) acc[b][v] = _mm256_fmadd_ps(kb, qv[v], acc[b][v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < KB; ++b) {
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) _mm256_storeu_ps(t.st + (a + b) * Rp + (v0 + v) * 8, acc[b][v]);
+    }
+  }
+}
+
+void scores_avx2(const TaskBuffers& t, int64_t Na, const float* qt, const Problem& p, const Plan& pl) {
+  const int64_t nrv = pl.Rp / 8;
+  const int64_t passes = ceil_div(nrv, 4);  // <= 4 row vectors a pass, as even as possible
+  int64_t v0 = 0;
+  for (int64_t i = 0; i < passes; ++i) {
+    const int64_t rv = nrv / passes + (i < nrv % passes ? 1 : 0);
+    switch (rv) {
+      case 1: scores_pass_avx2<1, 8>(t, Na, qt, p.D, pl.Rp, v0); break;
+      case 2: scores_pass_avx2<2, 6>(t, Na, qt, p.D, pl.Rp, v0); break;
+      case 3: scores_pass_avx2<3, 3>(t, Na, qt, p.D, pl.Rp, v0); break;
+      case 4: scores_pass_avx2<4, 2>(t, Na, qt, p.D, pl.Rp, v0); break;
+      default: TORCH_CHECK(false, "tree_attention: internal error, row pass ", rv);
+    }
+    v0 += rv;
+  }
+}
+
+void softmax_avx2(const TaskBuffers& t, int64_t Na, const Problem& p, const Plan& pl) {
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  for (int64_t v = 0; v < pl.Rp / 8; ++v) {
+    const unsigned shift = static_cast<unsigned>((v % 2) * 8);
+    __m256 m = _mm256_set1_ps(kNegInf);
+    for (int64_t a = 0; a < Na; ++a) {
+      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(t.st + a * pl.Rp + v * 8), scale);
+      m = _mm256_blendv_ps(m, _mm256_max_ps(m, s), lane_mask8((t.lanes[a] >> shift) & 0xFFu));
+    }
+    // Lanes that saw nothing keep m = -inf; their p are forced to 0 by the lane masks below.
+    __m256 l = _mm256_setzero_ps();
+    for (int64_t a = 0; a < Na; ++a) {
+      float* sp = t.st + a * pl.Rp + v * 8;
+      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sp), scale);
+      const __m256 e = _mm256_and_ps(lane_mask8((t.lanes[a] >> shift) & 0xFFu), vec::exp_avx2(_mm256_sub_ps(s, m)));
+      _mm256_storeu_ps(sp, e);
+      l = _mm256_add_ps(l, e);
+    }
+    _mm256_storeu_ps(t.m + v * 8, m);
+    _mm256_storeu_ps(t.l + v * 8, l);
+  }
+}
+
+// RB rows x NV 8-float vectors of D, as pv_block: per key NV loads of v and RB broadcasts of p;
+// keys none of the RB rows sees are skipped (their p are 0). `tail`: lane mask of the last vector.
+template <int RB, int NV>
+void pv_block_avx2(const TaskBuffers& t, int64_t Na, int64_t Rp, int64_t Dp, int64_t r0, int64_t d0, __m256i tail) {
+  __m256 o[RB][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) o[r][c] = _mm256_setzero_ps();
+  }
+  const unsigned shift = static_cast<unsigned>(r0 % 16);
+  for (int64_t a = 0; a < Na; ++a) {
+    if (((t.lanes[a] >> shift) & ((1u << RB) - 1u)) == 0) continue;
+    const float* vr = t.vrow[a] + d0;
+    __m256 vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c)
+      vv[c] = c == NV - 1 ? _mm256_maskload_ps(vr + 8 * c, tail) : _mm256_loadu_ps(vr + 8 * c);
+    const float* pr = t.st + a * Rp + r0;
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(pr + r);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) o[r][c] = _mm256_fmadd_ps(pb, vv[c], o[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(t.acc + (r0 + r) * Dp + d0 + 8 * c, o[r][c]);
+  }
+}
+
+void pv_avx2(const TaskBuffers& t, int64_t Na, const Problem& p, const Plan& pl) {
+  constexpr int RB = 4;  // rows r0..r0+3 < Rp exist in st (rows >= R are padding, never output)
+  for (int64_t r0 = 0; r0 < pl.R; r0 += RB) {
+    for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
+      const int64_t rem = std::min<int64_t>(16, p.D - d0);
+      const int nv = static_cast<int>(ceil_div(rem, 8));
+      const int64_t last = rem - 8 * (nv - 1);
+      const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(last)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      if (nv == 1)
+        pv_block_avx2<RB, 1>(t, Na, pl.Rp, pl.Dp, r0, d0, tail);
+      else
+        pv_block_avx2<RB, 2>(t, Na, pl.Rp, pl.Dp, r0, d0, tail);
+    }
+  }
+}
+#endif  // SWIFTSPEC_TREE_ATTN_AVX2
 
 #ifdef SWIFTSPEC_TREE_ATTN_AVX512
 // KB keys x RV row vectors: KB * RV accumulators; per column d one load per row vector and one
@@ -579,6 +724,13 @@ void stage_attention(const Problem& p, const Plan& pl, const CallBuffers& cb, Im
           pv_avx512(t, Na, p, pl);
         } else
 #endif
+#ifdef SWIFTSPEC_TREE_ATTN_AVX2
+        if (impl == Impl::kAvx2) {
+          scores_avx2(t, Na, qt, p, pl);
+          softmax_avx2(t, Na, p, pl);
+          pv_avx2(t, Na, p, pl);
+        } else
+#endif
         {
           scores_scalar(t, Na, qt, p, pl);
           softmax_scalar(t, Na, p, pl);
@@ -722,8 +874,10 @@ at::Tensor tree_attention_impl(const at::Tensor& q_in, const at::Tensor& k_new_i
 }
 
 Impl best_impl() {
-#ifdef SWIFTSPEC_TREE_ATTN_AVX512
+#if defined(SWIFTSPEC_TREE_ATTN_AVX512)
   return Impl::kAvx512;
+#elif defined(SWIFTSPEC_TREE_ATTN_AVX2)
+  return Impl::kAvx2;
 #else
   return Impl::kScalar;
 #endif
@@ -738,6 +892,9 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_new, const at
 
 std::vector<std::string> tree_attention_impls() {
   std::vector<std::string> v{"scalar"};
+#ifdef SWIFTSPEC_TREE_ATTN_AVX2
+  v.emplace_back("avx2");
+#endif
 #ifdef SWIFTSPEC_TREE_ATTN_AVX512
   v.emplace_back("avx512");
 #endif
@@ -757,9 +914,10 @@ at::Tensor tree_attention_with_impl(const at::Tensor& q, const at::Tensor& k_new
   } else {
     bool compiled = false;
     for (const auto& s : tree_attention_impls()) compiled = compiled || s == name;
-    TORCH_CHECK(name == "avx512", "tree_attention: unknown impl '", name, "' (auto, scalar, avx512)");
+    TORCH_CHECK(name == "avx512" || name == "avx2", "tree_attention: unknown impl '", name,
+                "' (auto, scalar, avx2, avx512)");
     TORCH_CHECK(compiled, "tree_attention: impl '", name, "' is not compiled in this build");
-    impl = Impl::kAvx512;
+    impl = name == "avx512" ? Impl::kAvx512 : Impl::kAvx2;
   }
   return tree_attention_impl(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale,
                              impl);
@@ -780,14 +938,15 @@ slots, positions [n] int64; cos_table, sin_table [P, D] float32 (rotate-half RoP
 positions); mask [n, S] bool, S <= C (query i sees cache slot j < S iff mask[i, j]); Hq % Hk == 0;
 D even (64 and 128 are the tuned sizes). Softmax in fp32 with `scale` applied to q.k; a fully
 masked row returns zeros. Returns [n, Hq * D] in q's dtype. Releases the GIL; parallel over
-(kv head, query tile, key split) with at::parallel_for.
+(kv head, query tile, key split of 256 slots at fixed positions) with at::parallel_for. Batch
+invariant: a row's output is bit-identical whatever other rows, S or thread count it runs with.
 Raises RuntimeError on non-CPU tensors, wrong dtypes or shapes, non-contiguous caches, S > C,
 positions outside [0, P) or slots >= C.)doc",
         py::call_guard<py::gil_scoped_release>());
   m.def("_tree_attention_impl", &tree_attention_with_impl, py::arg("q"), py::arg("k_new"), py::arg("v_new"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("cos_table"),
         py::arg("sin_table"), py::arg("mask"), py::arg("scale"), py::arg("impl"),
-        "Test hook: tree_attention with a forced inner kernel ('auto', 'scalar', 'avx512'; see "
+        "Test hook: tree_attention with a forced inner kernel ('auto', 'scalar', 'avx2', 'avx512'; see "
         "_tree_attention_impls()). Raises RuntimeError for an impl not compiled in this build.",
         py::call_guard<py::gil_scoped_release>());
   m.def("_tree_attention_impls", &tree_attention_impls,

@@ -1,5 +1,5 @@
-// Scalar bf16 conversions and a 16-lane exp shared by the CPU twins (skinny_gemm.h, swiglu.cpp,
-// tree_attention.cpp).
+// Scalar bf16 conversions and 16-lane (AVX-512) and 8-lane (AVX2) exp shared by the CPU twins
+// (skinny_gemm.h, swiglu.cpp, tree_attention.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -44,6 +44,34 @@ inline __m512 exp_avx512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for 8 lanes, the same reduction and polynomial as exp_avx512; 2^n is built in the
+// exponent field, so x is clamped to [-87.3, 88.3] (normal results) and lanes below -87.3 are
+// flushed to exact 0 (e^x < 1.2e-38 there). NaN propagates. Elementwise: a lane's result does not
+// depend on the other lanes.
+inline __m256 exp_avx2(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);  // ln2 high part
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);     // ln2 low part
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  // NaN inputs: min/max returned the clamp bound, so put the NaN back
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_andnot_ps(tiny, y), x, nan);
 }
 #endif
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from swiftspec import ops
+
 
 class RMSNorm(nn.Module):
-    """``y = x / rms(x) * weight``, computed in float32 and cast back to ``x.dtype``.
+    """``y = x / rms(x) * weight``, statistics in float32, rounded to ``x.dtype`` before the weight
+    multiply (:func:`swiftspec.ops.rms_norm`).
 
-    ``forward(x, residual)`` first adds the residual and returns ``(y, x + residual)``.
+    ``forward(x, residual)`` first adds the residual and returns ``(y, x + residual)``; without a
+    residual it returns ``(y, x)``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
@@ -16,13 +20,5 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x), x
-        x = x + residual
-        return self._norm(x), x
+        return ops.rms_norm(x, residual, self.weight, self.eps)

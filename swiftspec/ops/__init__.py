@@ -55,23 +55,27 @@ def _cuda_module():
         return None
 
 
+CPU_FAMILIES = ("quant_gemm", "skinny_gemm", "tree_attention", "rms_norm")
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_dispatch() -> dict[str, str]:
     """The one ISA-dispatch point of the CPU kernels: which implementation each op family runs on
     this CPU ("torch" where the twin would only have its scalar loop, which loses to PyTorch).
 
-    Keys: ``quant_gemm`` (GGUF blocks: "avx512_vnni", "avx2" or "scalar", picked at run time from
-    cpuid; the scalar loop only where no SIMD one exists), ``skinny_gemm`` (float/int8 weights:
-    "avx512_bf16", "avx512" or "torch") and ``tree_attention`` ("avx512" or "torch"). Recorded in
-    the engine's metrics and the benchmark records. All "torch" when the extension is unavailable.
+    Keys (:data:`CPU_FAMILIES`): ``quant_gemm`` (GGUF blocks: "avx512_vnni", "avx2" or "scalar",
+    picked at run time from cpuid; the scalar loop only where no SIMD one exists), ``skinny_gemm``
+    (float/int8 weights: "avx512_bf16", "avx512" or "torch"), ``tree_attention`` ("avx512", "avx2"
+    or "torch") and ``rms_norm`` ("cpp": portable C++ the compiler vectorizes). Recorded in the
+    engine's metrics and the benchmark records. All "torch" when the extension is unavailable.
     """
     m = _cpu_module()
     if m is None:
-        return {"quant_gemm": "torch", "skinny_gemm": "torch", "tree_attention": "torch"}
+        return {k: "torch" for k in CPU_FAMILIES}
     gemm = [i for i in m._linear_impls() if i != "scalar"]
     attn = [i for i in m._tree_attention_impls() if i != "scalar"]
     return {"quant_gemm": m.quant_impls()[0], "skinny_gemm": gemm[-1] if gemm else "torch",
-            "tree_attention": attn[-1] if attn else "torch"}
+            "tree_attention": attn[-1] if attn else "torch", "rms_norm": "cpp"}
 
 
 def _cpu_twin(family: str) -> bool:
@@ -102,6 +106,22 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     if b == "cuda":
         return _cuda_module().swiglu(x.contiguous(), w_gate_up)
     return reference.swiglu(x, w_gate_up)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm; see :func:`reference.rms_norm` (shapes, dtypes, rounding).
+
+    Returns ``(y, x + residual)`` (``(y, x)`` without a residual). On the "cpu" backend 2-D fp32 /
+    bf16 inputs run the C++ twin (``csrc/cpu/rms_norm.cpp``: one pass per row, batch invariant);
+    anything else, and anything that needs autograd, is the reference.
+    """
+    if (backend(x) == "cpu" and _cpu_twin("rms_norm") and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype == x.dtype and x.shape[-1] <= 8192
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return _cpu_module().rms_norm(x, residual, weight, float(eps))
+    return reference.rms_norm(x, residual, weight, eps)
 
 
 # Rows up to which the CPU twin's weight-streaming kernel runs (csrc/cpu/skinny_gemm.h kMaxRows);

@@ -40,6 +40,22 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     return F.linear(x, q.to(x.dtype) * scales.to(x.dtype)[:, None])
 
 
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with the fused residual add (vLLM's ``fused_add_rms_norm``).
+
+    x, residual ``[..., H]`` (residual may be None), weight ``[H]``, one dtype. ``x + residual`` is
+    formed in x's dtype; statistics in float32; the normalized value is rounded to x's dtype before
+    the weight multiply. Returns ``(weight * norm(x + residual), x + residual)``, or ``(.., x)``
+    without a residual.
+    """
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x ``[n, H, D]``; cos, sin ``[n, D]`` float32. Returns x's dtype."""
     h = x.shape[-1] // 2
