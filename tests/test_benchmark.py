@@ -22,6 +22,14 @@ def test_load_prompts_from_file_and_errors(tmp_path):
         load_prompts("no-such-dataset", 1)
 
 
+def test_shipped_prompt_sets(monkeypatch):
+    """The six datasets ship with the package: 80 prompts each, the first turn a non-empty string."""
+    monkeypatch.delenv("SWIFTSPEC_PROMPTS", raising=False)
+    for ds in ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"):
+        name, prompts = load_prompts(ds, 1000)
+        assert name == ds and len(prompts) == 80 and all(isinstance(p, str) and p for p in prompts)
+
+
 def test_memory_check_counts_every_system_and_refuses_before_loading(tiny_dir, tiny_draft_dir):
     from safetensors import safe_open
 
@@ -123,3 +131,29 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
         got = eng.generate("count: 5 6", params).token_ids
     with Engine(tiny_dir, tiny_draft_dir, config=EngineConfig(mode="autoregressive", dtype="float32")) as eng:
         assert got == eng.generate("count: 5 6", params).token_ids
+
+
+def test_kernel_bench_quant_cases():
+    """bench/kernels.py's quant_linear cases: valid random blocks, every kernel this CPU runs and
+    every baseline measured, GB/s from the weight bytes."""
+    import torch
+
+    from swiftspec.benchmark import kernels
+    from swiftspec.ops import cpu, quant
+
+    try:
+        ext = cpu.load()
+    except cpu.KernelBuildError as e:
+        pytest.skip(f"CPU kernels unavailable: {e}")
+    g = torch.Generator().manual_seed(1)
+    for t in (12, 14, 8):
+        assert torch.isfinite(quant.dequantize(kernels._random_blocks(4, 512, t, g), t)).all()
+    cases = kernels.quant_linear_cases([1], rounds=1, iters=1, rows=(1,))
+    assert len(cases) == 2
+    for c in cases:
+        s = c.summary()
+        assert {f"ours, {i} kernel" for i in ext.quant_impls()[1:]} | {
+            "kernels off (int8 x fp32, PyTorch)", "F.linear fp32 dequantized", "F.linear bf16 dequantized"} \
+            == set(s["baselines"])
+        assert s["ours_gb_s"] > 0 and s["weight_bytes"] == c.weight_bytes
+    assert "GB/s" in kernels.table(cases)

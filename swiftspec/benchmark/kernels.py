@@ -13,6 +13,9 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
 - ``swiglu``: the fused SwiGLU vs PyTorch's best arrangement (one concatenated gate/up matmul, then
   SiLU * mul) and vs two separate matmuls, batch 1 and 8;
 - ``linear``: the skinny-GEMM linear layer (QKV, o_proj, down_proj) vs ``F.linear``;
+- ``quant_linear``: the quantized GEMM on GGUF blocks (the default target's Q4_K / Q6_K layers, 1-16
+  rows, every kernel this CPU runs, GB/s of weights) vs the kernels-off PyTorch path and ``F.linear``
+  on dequantized fp32 / bf16 weights (CPU only);
 - ``int8_linear``: the int8 weight-only twin (the draft's layers) vs torch's int8 weight-only kernel
   (``_weight_int8pack_mm``), bf16 activations, 1 / 2 / 4 rows (CPU only);
 - ``attention``: the tree attention (RoPE fused) vs RoPE + ``F.scaled_dot_product_attention`` with a
@@ -61,12 +64,16 @@ class Case:
     threads: int
     ours: list[float] = field(default_factory=list)
     baselines: dict[str, list[float]] = field(default_factory=dict)
+    weight_bytes: int = 0  # bytes of weights our op reads per call (0: not a weight-streaming op)
 
     def summary(self) -> dict:
         out = {"op": self.op, "shape": self.shape, "dtype": self.dtype, "threads": self.threads,
                "ours": _stats(self.ours)}
         out["baselines"] = {k: _stats(v) for k, v in self.baselines.items()}
         out["speedup"] = {k: out["baselines"][k]["median_s"] / out["ours"]["median_s"] for k in self.baselines}
+        if self.weight_bytes:
+            out["weight_bytes"] = self.weight_bytes
+            out["ours_gb_s"] = self.weight_bytes / out["ours"]["median_s"] / 1e9
         return out
 
 
@@ -177,6 +184,60 @@ def int8_linear_cases(threads_list, rounds, iters, models=tuple(MODELS)) -> list
                     t = time_interleaved(fns, rounds, iters, _sync("cpu"))
                     cases.append(Case("int8_linear", f"{name} {what} M={m} K={k} N={n}", "int8/bfloat16", threads,
                                       t.pop("ours"), t))
+    return cases
+
+
+# ---- quantized linear (GGUF blocks) ------------------------------------------------------
+def _random_blocks(n: int, k: int, ggml_type: int, g: torch.Generator) -> torch.Tensor:
+    """``[n, row_bytes]`` uint8 GGUF blocks: random quants and scales, fp16 super-block scales set
+    to a small normal value (random bytes could be inf / NaN)."""
+    from swiftspec.ops import quant
+
+    raw = torch.randint(0, 256, (n, quant.row_bytes(ggml_type, k)), dtype=torch.uint8, generator=g)
+    bb = quant.row_bytes(ggml_type, quant.block_values(ggml_type))
+    blocks = raw.view(n, -1, bb)
+    small = torch.tensor([0x00, 0x10], dtype=torch.uint8)  # fp16 0x1000 = 2^-11
+    fields = {12: (0, 2), 13: (0, 2), 14: (208,)}.get(ggml_type, (0,))  # d (and dmin) offsets
+    for off in fields:
+        blocks[:, :, off:off + 2] = small
+    return raw
+
+
+def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> list[Case]:
+    """The default target's GGUF layers (Q4_K gate+up, Q6_K down_proj, K = 1536 / 8960): our
+    quantized GEMM on the blocks in place (``auto`` = the ISA dispatch picks; every other kernel
+    this CPU runs is listed beside it) vs the kernels-off PyTorch path of the same arithmetic (int8
+    activations x dequantized fp32 weights) and vs ``F.linear`` on weights dequantized to fp32 and
+    bf16 once. torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) is not a baseline: its
+    format (one asymmetric scale + zero per group) cannot hold Q4_K's 6-bit sub-scales and mins or
+    Q6_K without re-quantizing, i.e. a different model."""
+    from swiftspec.ops import cpu, quant
+
+    ext = cpu.load()
+    g = torch.Generator().manual_seed(0)
+    hidden, inter = MODELS["qwen-1.5b (target)"][:2]
+    cases = []
+    for what, ggml_type, k, n in (("gate_up", 12, hidden, 2 * inter), ("down_proj", 14, inter, hidden)):
+        w = _random_blocks(n, k, ggml_type, g)
+        w32 = quant.dequantize(w, ggml_type)
+        w16 = w32.to(torch.bfloat16)
+        others = [i for i in ext.quant_impls()[1:]]
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            x16 = x.to(torch.bfloat16)
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                fns = {"ours": lambda: ext.quant_linear(x, [w], [ggml_type], "auto")}
+                for impl in others:
+                    fns[f"ours, {impl} kernel"] = lambda impl=impl: ext.quant_linear(x, [w], [ggml_type], impl)
+                fns["kernels off (int8 x fp32, PyTorch)"] = lambda: quant.torch_linear(x, [w], [ggml_type], [w32])
+                fns["F.linear fp32 dequantized"] = lambda: F.linear(x, w32)
+                fns["F.linear bf16 dequantized"] = lambda: F.linear(x16, w16)
+                t = time_interleaved(fns, rounds, iters, _sync("cpu"))
+                shape = (f"qwen-1.5b (target) {what} {quant.ggml_name(ggml_type)} M={m} K={k} N={n} "
+                         f"({w.numel() / 2 ** 20:.1f} MiB; kernel {ext.quant_impls()[0]})")
+                cases.append(Case("quant_linear", shape, "float32", threads, t.pop("ours"), t,
+                                  weight_bytes=w.numel()))
     return cases
 
 
@@ -321,16 +382,18 @@ def _sync(device) -> Callable[[], None]:
 
 # ---- report ------------------------------------------------------------------------------
 def table(cases: list[Case]) -> str:
-    """A markdown table in the layout of the paper's Table 7: per case, our median per-call time,
-    each baseline's, and the speedup over it."""
+    """A markdown table in the layout of the paper's Table 7: per case, our median per-call time
+    (and the weight bytes it streams per second, for weight-streaming ops), each baseline's, and
+    the speedup over it."""
     lines = ["| op | shape | dtype | threads | ours (us) | baseline | baseline (us) | speedup |",
              "|---|---|---|---|---|---|---|---|"]
     for c in cases:
         s = c.summary()
         o = s["ours"]
+        gbs = f" ({s['ours_gb_s']:.1f} GB/s)" if "ours_gb_s" in s else ""
         for k, b in s["baselines"].items():
             lines.append(f"| {c.op} | {c.shape} | {c.dtype} | {c.threads} | {o['median_s'] * 1e6:.1f} "
-                         f"[{o['p10_s'] * 1e6:.0f}-{o['p90_s'] * 1e6:.0f}] | {k} | {b['median_s'] * 1e6:.1f} "
+                         f"[{o['p10_s'] * 1e6:.0f}-{o['p90_s'] * 1e6:.0f}]{gbs} | {k} | {b['median_s'] * 1e6:.1f} "
                          f"[{b['p10_s'] * 1e6:.0f}-{b['p90_s'] * 1e6:.0f}] | {s['speedup'][k]:.2f}x |")
     return "\n".join(lines)
 
@@ -350,7 +413,7 @@ def machine() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__.splitlines()[0])
-    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "int8_linear", "attention"]
+    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "int8_linear", "quant_linear", "attention"]
     ap.add_argument("--ops", nargs="+", default=ops_, choices=ops_)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op threads (CPU)")
@@ -359,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
                     help="model shapes for swiglu / attention")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8], help="input rows M of the swiglu cases")
+    ap.add_argument("--quant-rows", nargs="+", type=int, default=[1, 2, 4, 8, 16],
+                    help="input rows M of the quant_linear cases")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the records (median and spread per case) to this file")
     return ap
@@ -379,6 +444,8 @@ def main(argv=None) -> int:
         cases += linear_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     if "int8_linear" in args.ops and args.device == "cpu":
         cases += int8_linear_cases(args.threads, args.rounds, args.iters, args.models)
+    if "quant_linear" in args.ops and args.device == "cpu":
+        cases += quant_linear_cases(args.threads, args.rounds, args.iters, args.quant_rows)
     if "attention" in args.ops:
         cases += attention_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     probe = torch.empty(0, device=args.device)
