@@ -1,12 +1,36 @@
-"""SwiftSpec package. The C++/CUDA kernels (csrc/) are compiled on first use where their toolchains
-exist (swiftspec/ops/cpu.py, swiftspec/ops/cuda.py); without them the PyTorch ops are used."""
+"""SwiftSpec package. The C++/CUDA kernel sources (csrc/) ship inside the package (``swiftspec/_csrc``,
+copied at build time) and are compiled on first use where their toolchains exist
+(swiftspec/ops/cpu.py, swiftspec/ops/cuda.py), for the CPU they run on (run-time ISA dispatch);
+without a toolchain the PyTorch ops are used. Editable installs read csrc/ in place."""
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+class BuildPyWithSources(build_py):
+    """Copy csrc/ into the built package as swiftspec/_csrc, so a wheel or a non-editable
+    ``pip install .`` can still build the kernels."""
+
+    def run(self):
+        super().run()
+        dst = Path(self.build_lib) / "swiftspec" / "_csrc"
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(ROOT / "csrc", dst, ignore=shutil.ignore_patterns("*.o", "*.so", "__pycache__"))
+
 
 setup(
     name="swiftspec",
     version="0.1.0",
     description="Latency-first speculative decoding with concurrent draft and target groups",
     packages=find_packages(include=["swiftspec", "swiftspec.*"]),
+    package_data={"swiftspec": ["data/eval_prompts/*.jsonl", "data/eval_prompts/LICENSE.EAGLE",
+                                "data/eval_prompts/README.md"]},
+    cmdclass={"build_py": BuildPyWithSources},
     python_requires=">=3.10",
     # torch is not pinned here: install the build for your machine first (CPU: torch==2.13.0).
     install_requires=["torch>=2.5", "numpy", "safetensors", "tokenizers>=0.19", "transformers>=4.45", "gguf>=0.10",

@@ -42,12 +42,15 @@ ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swif
 # "-dequantized": every weight dequantized in the activation dtype (the engine before native weights)
 
 
+# the six evaluation prompt sets, shipped with the package (README.md and license beside them)
+PACKAGED_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "eval_prompts"
+
+
 def prompts_dir() -> Path:
-    """The six evaluation prompt sets: ``$SWIFTSPEC_PROMPTS`` or ``../shared/data/eval-prompts``."""
+    """The six evaluation prompt sets: ``$SWIFTSPEC_PROMPTS`` if set, else the copies shipped in
+    ``swiftspec/data/eval_prompts``."""
     env = os.environ.get("SWIFTSPEC_PROMPTS")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "eval-prompts"
+    return Path(env) if env else PACKAGED_PROMPTS
 
 
 def load_prompts(spec: str, n: int) -> tuple[str, list[str]]:

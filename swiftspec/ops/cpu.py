@@ -18,7 +18,9 @@ import platform
 import time
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# the sources shipped inside an installed package (setup.py copies them), else the checkout's csrc/
+CSRC = next((d for d in (Path(__file__).resolve().parents[1] / "_csrc", Path(__file__).resolve().parents[2] / "csrc")
+             if d.is_dir()), Path(__file__).resolve().parents[2] / "csrc")
 
 
 class KernelBuildError(RuntimeError):

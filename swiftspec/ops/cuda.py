@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+from swiftspec.ops.cpu import CSRC  # the package's _csrc/ (installed) or the checkout's csrc/
+
 KERNELS = CSRC / "kernels"
 INCLUDE = CSRC / "include"
 LIB_NAME = "libswiftspec_cuda.so"
