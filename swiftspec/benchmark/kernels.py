@@ -18,8 +18,9 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
   on dequantized fp32 / bf16 weights (CPU only);
 - ``int8_linear``: the int8 weight-only twin (the draft's layers) vs torch's int8 weight-only kernel
   (``_weight_int8pack_mm``), bf16 activations, 1 / 2 / 4 rows (CPU only);
-- ``attention``: the tree attention (RoPE fused) vs RoPE + ``F.scaled_dot_product_attention`` with a
-  materialized mask, 8 queries over 500 / 1000 cached keys.
+- ``attention``: the tree attention (RoPE fused) vs the PyTorch path (``ops._torch_tree_attention``:
+  RoPE, then row by row over the keys each row sees up to 16 rows, SDPA with a materialized mask
+  above), 8 queries over 500 / 1000 cached keys.
 
 On CUDA the same cases compare our kernels with cuBLAS + NCCL and SDPA (and FlashInfer when it is
 installed). Every case alternates ours and the baseline for ``--rounds`` rounds, each round timing
@@ -278,7 +279,7 @@ def attention_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MO
                 for threads in threads_list:
                     torch.set_num_threads(threads)
                     fns = {"ours": lambda: ops.tree_attention(*args),
-                           "RoPE + SDPA (materialized mask)": lambda: _torch_tree_attention(*args)}
+                           "PyTorch path (kernels off)": lambda: _torch_tree_attention(*args)}
                     t = time_interleaved(fns, rounds, iters, _sync(device))
                     cases.append(Case("tree_attention", f"{name} TP{tp} Hq={hq_l} Hk={hk_l} D={d} "
                                       f"q={n_queries} ctx={ctx}", str(dtype)[6:], threads, t.pop("ours"), t))
