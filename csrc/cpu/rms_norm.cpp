@@ -22,11 +22,6 @@ namespace swiftspec {
 namespace {
 
 template <class T>
-inline float to_f(T v) {
-  return static_cast<float>(v);
-}
-
-template <class T>
 void norm_rows(int64_t begin, int64_t end, int64_t H, T* x, const T* res, T* res_out, const T* w, T* y,
                float eps) {
   constexpr int L = 8;
@@ -37,10 +32,10 @@ void norm_rows(int64_t begin, int64_t end, int64_t H, T* x, const T* res, T* res
     for (int64_t i = 0; i < H; ++i) {
       T v = xr[i];
       if (res != nullptr) {
-        v = static_cast<T>(to_f(v) + to_f(res[m * H + i]));  // rounded to T as x + residual in T
+        v = static_cast<T>(static_cast<float>(v) + static_cast<float>(res[m * H + i]));  // rounded to T as x + residual in T
         res_out[m * H + i] = v;
       }
-      row[i] = to_f(v);
+      row[i] = static_cast<float>(v);
     }
     int64_t i = 0;
     for (; i + L <= H; i += L)
@@ -49,7 +44,10 @@ void norm_rows(int64_t begin, int64_t end, int64_t H, T* x, const T* res, T* res
     const float ss = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
     T* yr = y + m * H;
-    for (int64_t j = 0; j < H; ++j) yr[j] = static_cast<T>(to_f(w[j]) * to_f(static_cast<T>(row[j] * r)));
+    for (int64_t j = 0; j < H; ++j) {
+      const float normed = static_cast<float>(static_cast<T>(row[j] * r));  // rounded to T first
+      yr[j] = static_cast<T>(static_cast<float>(w[j]) * normed);
+    }
   }
 }
 

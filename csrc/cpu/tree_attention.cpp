@@ -123,7 +123,6 @@ struct Plan {
   int64_t R;       // rows of a (kv head, tile) block that exist: G * W
   int64_t Rp;      // R rounded up to the vector width
   int64_t Dp;      // D rounded up to the vector width
-  int64_t split;   // keys per split
   int64_t nsplit;
   uint16_t lane_rep;  // query mask * lane_rep = lane mask of a row vector
 };
@@ -140,8 +139,7 @@ Plan make_plan(const Problem& p) {
   pl.Rp = round_up(pl.R, 16);
   pl.Dp = round_up(p.D, 16);
   // Fixed boundaries, never chosen from S or the thread count (batch invariance, see above).
-  pl.split = kSplit;
-  pl.nsplit = ceil_div(p.S, pl.split);
+  pl.nsplit = ceil_div(p.S, kSplit);
   return pl;
 }
 
@@ -170,7 +168,7 @@ struct TaskBuffers {
 };
 
 size_t task_bytes(const Problem& p, const Plan& pl) {
-  const size_t B = static_cast<size_t>(pl.split), BP = B + kKeyPad;
+  const size_t B = static_cast<size_t>(kSplit), BP = B + kKeyPad;
   return Arena::bytes(B, 2) + Arena::bytes(B, 4) + Arena::bytes(B, 2) + Arena::bytes(BP, sizeof(void*)) +
          Arena::bytes(B, sizeof(void*)) + Arena::bytes(B * p.D, 4) + Arena::bytes(B * pl.Dp, 4) +
          Arena::bytes(p.D, 4) + Arena::bytes(BP * pl.Rp, 4) + Arena::bytes(pl.Rp * pl.Dp, 4) +
@@ -178,7 +176,7 @@ size_t task_bytes(const Problem& p, const Plan& pl) {
 }
 
 TaskBuffers take_task_buffers(Arena& a, const Problem& p, const Plan& pl) {
-  const int64_t B = pl.split, BP = B + kKeyPad;
+  const int64_t B = kSplit, BP = B + kKeyPad;
   TaskBuffers t{};
   t.qmask = a.take<uint16_t>(B);
   t.act = a.take<int32_t>(B);
@@ -680,7 +678,7 @@ void stage_attention(const Problem& p, const Plan& pl, const CallBuffers& cb, Im
       const int64_t s = task % pl.nsplit, group = task / pl.nsplit;
       const int64_t h = group / pl.ntile, tile = group % pl.ntile;
       const int64_t i0 = tile * pl.qt, nq = std::min(pl.qt, p.n - i0);
-      const int64_t j0 = s * pl.split, nk = std::min(pl.split, p.S - j0);
+      const int64_t j0 = s * kSplit, nk = std::min(kSplit, p.S - j0);
 
       // Active keys of this split for this tile's queries, with their lane masks.
       std::fill(t.qmask, t.qmask + nk, 0);

@@ -222,7 +222,7 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
         w = _random_blocks(n, k, ggml_type, g)
         w32 = quant.dequantize(w, ggml_type)
         w16 = w32.to(torch.bfloat16)
-        others = [i for i in ext.quant_impls()[1:]]
+        others = ext.quant_impls()[1:]  # the kernels this CPU runs besides the dispatched one
         for m in rows:
             x = torch.randn(m, k, generator=g)
             x16 = x.to(torch.bfloat16)
