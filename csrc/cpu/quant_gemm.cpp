@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "quant_blocks.h"
 
 namespace swiftspec {
@@ -176,6 +177,11 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
 
 }  // namespace
 }  // namespace quant
+
+at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                            const std::vector<int64_t>& types) {
+  return quant::quant_linear(x, weights, types, "auto");
+}
 
 void register_quant_gemm(pybind11::module_& m) {
   m.def("quant_linear", &quant::quant_linear, pybind11::arg("x"), pybind11::arg("weights"),

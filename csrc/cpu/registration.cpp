@@ -1,6 +1,6 @@
 // The one registration file of the CPU twins: every op's Python binding is declared here and
 // defined in its domain file (shm_comm.cpp, swiglu.cpp, tree_attention.cpp, linear.cpp,
-// quant_gemm.cpp, rms_norm.cpp).
+// quant_gemm.cpp, rms_norm.cpp, decoder_layer.cpp).
 #include <torch/extension.h>
 
 #include "swiftspec/ll_protocol.h"
@@ -14,6 +14,7 @@ void register_tree_attention(pybind11::module_& m); // tree_attention.cpp
 void register_linear(pybind11::module_& m);         // linear.cpp
 void register_quant_gemm(pybind11::module_& m);     // quant_gemm.cpp
 void register_rms_norm(pybind11::module_& m);       // rms_norm.cpp
+void register_decoder_layer(pybind11::module_& m);  // decoder_layer.cpp
 }  // namespace swiftspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -25,4 +26,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   swiftspec::register_linear(m);
   swiftspec::register_quant_gemm(m);
   swiftspec::register_rms_norm(m);
+  swiftspec::register_decoder_layer(m);
 }

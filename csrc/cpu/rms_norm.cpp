@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "cpu_ops.h"
 #include "vec_math.h"
 
 namespace swiftspec {
@@ -87,6 +88,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const c10::o
 }
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  return rms_norm(x, residual, weight, eps);
+}
 
 void register_rms_norm(pybind11::module_& m) {
   namespace py = pybind11;

@@ -30,6 +30,7 @@
 // build directory keyed by the CPU's flags).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "cpu_ops.h"
 #include "vec_math.h"
 #include <torch/csrc/utils/pybind.h>
 
@@ -922,6 +923,13 @@ at::Tensor tree_attention_with_impl(const at::Tensor& q, const at::Tensor& k_new
 }
 
 }  // namespace
+
+at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
+                              at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,
+                              const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& mask,
+                              double scale) {
+  return tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale);
+}
 
 void register_tree_attention(pybind11::module_& m) {
   namespace py = pybind11;

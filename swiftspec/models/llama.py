@@ -97,8 +97,33 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp, dtype, f"{prefix}.mlp", native)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        attn, mlp = self.self_attn, self.mlp
+        # every linear layer on GGUF blocks: the CPU runs the layer as one C++ call (built on first use)
+        self.all_native = all(lin.native is not None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                  mlp.down_proj))
+        self._native_layer = None
 
     def forward(self, x, residual, positions, rope, slots, mask, kv):
+        """``x [n, hidden]`` (and the residual stream, None before the first layer) -> ``(out, x +
+        residual)``; keys/values land in ``slots`` of ``kv = (k, v)``."""
+        if self.all_native and ops.native_layer_twin(x):
+            return self.native_layer().forward(x, residual, kv[0], kv[1], slots, positions, rope.cos, rope.sin,
+                                               mask)
+        return self.forward_modules(x, residual, positions, rope, slots, mask, kv)
+
+    def native_layer(self):
+        """The C++ layer over this layer's weights (:func:`swiftspec.ops.native_decoder_layer`). It
+        references the parameters, so weights loaded in place later are seen; made once."""
+        if self._native_layer is None:
+            attn, mlp = self.self_attn, self.mlp
+            self._native_layer = ops.native_decoder_layer(
+                self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                attn.qkv_proj.native, attn.qkv_proj.bias, attn.o_proj.native, mlp.gate_up_proj.native,
+                mlp.down_proj.native, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+        return self._native_layer
+
+    def forward_modules(self, x, residual, positions, rope, slots, mask, kv):
+        """The same layer module by module (the reference of the C++ layer, and every other case)."""
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rope, slots, mask, kv)
         h, residual = self.post_attention_layernorm(h, residual)

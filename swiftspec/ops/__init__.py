@@ -201,6 +201,32 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int], d
     return quant.torch_linear(x, parts, types, dequantized())
 
 
+def native_layer_twin(x: torch.Tensor) -> bool:
+    """Whether a decoder layer whose linear layers are all GGUF blocks runs as one C++ call
+    (:func:`native_decoder_layer`) for activations ``x``: exactly when each of its ops would take its
+    CPU twin (quantized GEMM, RMSNorm, tree attention), so the one call is bit-identical to the
+    module-by-module path."""
+    return (backend(x) == "cpu" and _cpu_twin("rms_norm") and _cpu_twin("tree_attention") and x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] <= 8192 and not torch.is_grad_enabled())
+
+
+def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, qkv_bias: torch.Tensor | None,
+                         o, gate_up, down, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """The C++ decoder layer (``csrc/cpu/decoder_layer.cpp``) over these weights: RMSNorm, QKV
+    (+ bias), tree attention, o_proj, RMSNorm, gate/up, SiLU * up, down, in one call per step.
+
+    ``qkv``, ``o``, ``gate_up``, ``down``: :class:`swiftspec.layers.gguf.GGUFWeight` (their parts
+    are referenced, not copied). Its ``forward(x [n, H], residual [n, H] | None, k_cache, v_cache,
+    slots, positions, cos_table, sin_table, mask)`` returns ``(out, x + residual)`` in x's dtype.
+    Use it only where :func:`native_layer_twin` holds. Raises RuntimeError on inconsistent shapes.
+    """
+    blocks = []
+    for w in (qkv, o, gate_up, down):
+        blocks += [list(w.parts), list(w.types)]
+    return _cpu_module().NativeDecoderLayer(ln1, ln2, float(eps), blocks[0], blocks[1], qkv_bias, *blocks[2:],
+                                            num_heads, num_kv_heads, head_dim, float(scale))
+
+
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
                    scale: float) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see
