@@ -5,7 +5,9 @@ Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (
 ``hf-assisted`` (transformers assisted generation with the draft), ``swiftspec-profiled``
 (the engine as the ``--config`` written by ``swiftspec profile`` sets it up: mode, cores, tree
 shape, ``d``), ``llama-cpp`` (llama.cpp on
-the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF).
+the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF) and
+``llama-cpp-spec`` (the same with llama-cpp-python's speculative decoding, the draft's GGUF
+proposing chains of 4 tokens).
 ``swiftspec-async-nokernels``, ``swiftspec-serial-nokernels`` and ``autoregressive-nokernels`` are
 the same engines with the compiled kernels off (PyTorch ops and gloo only): the kernel ablation.
 
@@ -34,7 +36,7 @@ PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 
                 "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
 SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
            "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
-           "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp")
+           "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
                 "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
                 "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
@@ -129,7 +131,7 @@ def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[
             out[s] = t + d
         elif s == "hf-assisted":
             out[s] = t + d * per
-        elif s == "llama-cpp":
+        elif s.startswith("llama-cpp"):
             out[s] = 0
         else:  # autoregressive*, hf
             out[s] = t
@@ -177,15 +179,21 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
         return HFPeer(target_dir, None, dtype, threads=len(cores))
     if system == "hf-assisted":
         return HFPeer(target_dir, draft_dir, dtype, threads=len(cores))
-    if system == "llama-cpp":
-        gguf = args.target_gguf
-        if gguf is None:
+    if system in ("llama-cpp", "llama-cpp-spec"):
+        gguf, draft = args.target_gguf, args.draft_gguf
+        if args.target is None or args.draft is None:
             from swiftspec.loader import default_gguf_paths
 
-            gguf = default_gguf_paths()[0] if args.target is None else None
+            defaults = default_gguf_paths()
+            gguf = gguf or (defaults[0] if args.target is None else None)
+            draft = draft or (defaults[1] if args.draft is None else None)
         if gguf is None or not Path(gguf).exists():
-            raise RuntimeError("llama-cpp needs the target's GGUF file (--target-gguf)")
-        return LlamaCppPeer(gguf, threads=len(cores))
+            raise RuntimeError(f"{system} needs the target's GGUF file (--target-gguf)")
+        if system == "llama-cpp":
+            return LlamaCppPeer(gguf, threads=len(cores))
+        if draft is None or not Path(draft).exists():
+            raise RuntimeError("llama-cpp-spec needs the draft's GGUF file (--draft-gguf)")
+        return LlamaCppPeer(gguf, threads=len(cores), draft_gguf=draft, draft_tokens=4)
     raise ValueError(system)
 
 
@@ -288,6 +296,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--target-gguf", help="GGUF of the target for llama-cpp (default: the default pair's)")
+    ap.add_argument("--draft-gguf", help="GGUF of the draft for llama-cpp-spec (default: the default pair's)")
     ap.add_argument("--out", default="bench/out", help="directory for the table, chart and records")
     ap.add_argument("--json", action="store_true", help="print the per-prompt records as one JSON list")
     return ap

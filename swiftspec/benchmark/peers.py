@@ -4,6 +4,9 @@
 - ``hf-assisted``: transformers' assisted generation, the draft as ``assistant_model``.
 - ``llama-cpp``: llama.cpp through ``llama-cpp-python`` on the same GGUF file (optional:
   ``pip install llama-cpp-python``, which builds llama.cpp from source).
+- ``llama-cpp-spec``: the same with llama-cpp-python's speculative decoding (its ``draft_model``
+  hook): the draft's own GGUF in a second llama.cpp context proposes ``draft_tokens`` greedy tokens,
+  the target scores them in one batch and keeps the matching prefix plus one (a chain, no tree).
 
 Each peer's ``generate(prompt_ids, max_tokens)`` returns a record with the same metric
 definitions as SwiftSpec's (decode tokens/s excludes the first token; TBT spreads tokens that
@@ -77,21 +80,59 @@ class HFPeer:
         self.model = self.assistant = None
 
 
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise RuntimeError("llama-cpp-python is not installed (pip install llama-cpp-python)") from e
+    return llama_cpp
+
+
+class _GgufDraft:
+    """A llama-cpp-python ``LlamaDraftModel``: greedy continuations from a second llama.cpp context
+    on the draft's GGUF. Its KV cache keeps the longest common prefix between calls (llama-cpp-
+    python's prefix reuse), so each call evaluates only the tokens accepted since the last one."""
+
+    def __init__(self, gguf_path, threads: int, n_ctx: int, draft_tokens: int):
+        llama_cpp = _llama_cpp()
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.k = draft_tokens
+        self.calls = 0
+
+    def __call__(self, input_ids, /, **kwargs):
+        import numpy as np
+
+        self.calls += 1
+        out = []
+        # reset=True is what makes llama-cpp-python look for the cached prefix (and drop the rest)
+        for tok in self.llm.generate(input_ids.tolist(), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
+                                     reset=True):
+            out.append(int(tok))
+            if len(out) >= self.k:
+                break
+        return np.array(out, dtype=np.intc)
+
+
 class LlamaCppPeer:
-    """llama.cpp (``llama-cpp-python``) on a GGUF file, greedy, target alone."""
+    """llama.cpp (``llama-cpp-python``) on a GGUF file, greedy: the target alone, or with
+    ``draft_gguf`` its speculative decoding (draft model chain of ``draft_tokens``)."""
 
-    system = "llama-cpp"
-
-    def __init__(self, gguf_path, threads: int, n_ctx: int = 4096):
-        try:
-            from llama_cpp import Llama
-        except ImportError as e:
-            raise RuntimeError("llama-cpp-python is not installed (pip install llama-cpp-python)") from e
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False, logits_all=False)
+    def __init__(self, gguf_path, threads: int, n_ctx: int = 4096, draft_gguf=None, draft_tokens: int = 4):
+        llama_cpp = _llama_cpp()
+        self.draft = None
+        if draft_gguf is not None:  # llama-cpp-python calls draft_model(input_ids) -> draft tokens
+            self.draft = _GgufDraft(draft_gguf, threads, n_ctx, draft_tokens)
+        self.system = "llama-cpp-spec" if draft_gguf is not None else "llama-cpp"
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False, logits_all=False,
+                                   draft_model=self.draft)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=()) -> tuple[list[int], RequestMetrics]:
         self.llm.reset()
+        if self.draft is not None:
+            self.draft.llm.reset()
+            self.draft.calls = 0
         events, out = [], []
         t0 = time.perf_counter()
         for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -100,7 +141,8 @@ class LlamaCppPeer:
             if tok in eos_ids or len(out) >= max_tokens:
                 break
         m = RequestMetrics.from_events(self.system, len(prompt_ids), t0, events, [0] * max(len(out) - 1, 1), None)
-        m.compression_ratio = 1.0
+        # each draft call is followed by one target forward over its tokens
+        m.compression_ratio = (len(out) - 1) / max(self.draft.calls - 1, 1) if self.draft is not None else 1.0
         return out, m
 
     def close(self):
