@@ -49,6 +49,13 @@ def test_memory_check_counts_every_system_and_refuses_before_loading(tiny_dir, t
         check_memory(fp32, total - 1)
 
 
+def test_equals_column_counts_prompts_and_says_na_without_reference():
+    from swiftspec.benchmark.e2e import _equals
+
+    assert _equals([_rec("a", "qa", 1.0), _rec("a", "qa", 1.0, match=False)]) == "1/2"
+    assert _equals([_rec("a", "qa", 1.0, match=None)]) == "n/a"  # no autoregressive run: no claim
+
+
 def test_tables_and_chart(tmp_path):
     recs = [_rec("autoregressive", "humaneval", 5.0), _rec("autoregressive", "humaneval", 5.0),
             _rec("swiftspec-async", "humaneval", 10.0, 3.5), _rec("swiftspec-async", "humaneval", 12.5, 3.9),
@@ -60,7 +67,7 @@ def test_tables_and_chart(tmp_path):
     assert overall(recs)["autoregressive"] == pytest.approx(5.0)
     md = markdown(recs)
     assert "| swiftspec-async | 11.11 |" in md and "2.22x" in md and "paper: swiftspec-async | 3.92" in md
-    assert "| hf |" in md and "False" in md
+    assert "| hf |" in md and "| 0/1 |" in md and "| 2/2 |" in md
     bar_chart(recs, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").stat().st_size > 1000
 
@@ -157,3 +164,23 @@ def test_kernel_bench_quant_cases():
             == set(s["baselines"])
         assert s["ours_gb_s"] > 0 and s["weight_bytes"] == c.weight_bytes
     assert "GB/s" in kernels.table(cases)
+
+
+def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
+    """The llama-cpp-spec peer (llama-cpp-python's draft_model hook fed by a second llama.cpp
+    context) gives llama.cpp's own greedy tokens; with the target as its own draft every proposal
+    is accepted, so each target forward yields several tokens."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional benchmark dependency")
+    from swiftspec.benchmark.peers import LlamaCppPeer
+    from tests.test_loader import make_gguf
+
+    path = tmp_path / "tiny.gguf"
+    make_gguf(path, seed=3)
+    prompt = [5, 9, 77, 3, 41]
+    plain = LlamaCppPeer(path, threads=1, n_ctx=128)
+    ref, _ = plain.generate(prompt, 24)
+    spec = LlamaCppPeer(path, threads=1, n_ctx=128, draft_gguf=path, draft_tokens=4)
+    assert spec.system == "llama-cpp-spec"
+    out, m = spec.generate(prompt, 24)
+    assert out == ref and len(out) == 24
+    assert m.compression_ratio > 2.0
