@@ -146,4 +146,4 @@ class LlamaCppPeer:
         return out, m
 
     def close(self):
-        self.llm = None
+        self.llm = self.draft = None
