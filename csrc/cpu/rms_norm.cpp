@@ -52,8 +52,10 @@ void norm_rows(int64_t begin, int64_t end, int64_t H, T* x, const T* res, T* res
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual,
-                                            const at::Tensor& weight, double eps) {
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
   TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(), "rms_norm: tensors must be on the CPU");
   TORCH_CHECK(x_in.dim() == 2, "rms_norm: x must be [M, H], got ", x_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
@@ -87,16 +89,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const c10::o
   return {y, res.defined() ? res_out : x_in};
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                                const at::Tensor& weight, double eps) {
-  return rms_norm(x, residual, weight, eps);
-}
 
 void register_rms_norm(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+  m.def("rms_norm", &rms_norm_cpu, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         R"doc(Fused residual add + RMSNorm, the CPU twin of reference.rms_norm.
 
 x [M, H] and residual [M, H] (or None), weight [H], all float32 or all bfloat16, H <= 8192.

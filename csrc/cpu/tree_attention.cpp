@@ -882,13 +882,6 @@ Impl best_impl() {
 #endif
 }
 
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
-                          at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,
-                          const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& mask, double scale) {
-  return tree_attention_impl(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale,
-                             best_impl());
-}
-
 std::vector<std::string> tree_attention_impls() {
   std::vector<std::string> v{"scalar"};
 #ifdef SWIFTSPEC_TREE_ATTN_AVX2
@@ -928,12 +921,13 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_new, cons
                               at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,
                               const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& mask,
                               double scale) {
-  return tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale);
+  return tree_attention_impl(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale,
+                             best_impl());
 }
 
 void register_tree_attention(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("tree_attention", &tree_attention, py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"),
+  m.def("tree_attention", &tree_attention_cpu, py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),
         py::arg("mask"), py::arg("scale"),
         R"doc(RoPE + KV write + masked split-KV attention, the CPU twin of reference.tree_attention.
