@@ -7,8 +7,8 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model: Hugging Face directory or GGUF file (default: the "
-                                     "Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
+    p.add_argument("--target", help="target model: Hugging Face directory, AWQ checkpoint or GGUF file "
+                                     "(default: the Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
     p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
     p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
     p.add_argument("--mode", choices=["auto", "async", "serial", "autoregressive"], default=None,

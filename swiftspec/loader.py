@@ -53,7 +53,25 @@ def _validate_hf_dir(path: Path) -> Path:
         raise ModelLoadError(f"{cfg} is not a JSON object")
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has config.json but no *.safetensors weights")
+    qc = parsed.get("quantization_config") or {}
+    if qc and str(qc.get("quant_method", "")).lower() != "awq":
+        raise ModelLoadError(f"{path}: quantization method {qc.get('quant_method')!r} is not supported "
+                             "(supported: AWQ checkpoints, GGUF files, float checkpoints)")
     return path
+
+
+def _awq_converted(src: Path, cache_dir, progress: bool) -> Path | None:
+    """The converted directory of an AWQ checkpoint (made on first use), None for other dirs."""
+    from swiftspec import awq
+
+    if awq.awq_group_size(json.loads((src / "config.json").read_text(encoding="utf-8"))) is None:
+        return None
+    source_id = awq.source_id(src)
+    key = hashlib.sha256(source_id.encode("utf-8")).hexdigest()[:12]
+    out = cache_root(cache_dir) / "models" / f"{src.resolve().name}-awq-{key}"
+    if is_complete(out, source_id):
+        return out
+    return awq.convert_awq(src, out, progress=progress, source=source_id)
 
 
 def resolve_model(
@@ -68,14 +86,17 @@ def resolve_model(
     * ``None``: the default pair's directory for ``role`` ("target" or "draft"), fetched,
       assembled and converted on first use (:func:`fetch_default_pair`).
     * a directory with ``config.json``: itself, after checking that config.json parses and a
-      ``*.safetensors`` file exists.
+      ``*.safetensors`` file exists; an AWQ checkpoint (``quantization_config.quant_method``
+      "awq") is converted once (:func:`swiftspec.awq.convert_awq`) into
+      ``<cache>/models/<name>-awq-<12 hex of its files' names, sizes, mtimes>/``.
     * a ``.gguf`` file: converted once into
       ``<cache>/models/<stem>-<12 hex of sha256(size, mtime_ns, abspath)>/``; reused while the
       file's size, mtime and path are unchanged.
 
     Raises:
-        ModelLoadError: nonexistent path, a directory that is not a valid HF directory, a file
-            that is not ``.gguf``, an unknown ``role``, or any fetch/conversion failure.
+        ModelLoadError: nonexistent path, a directory that is not a valid HF directory (or
+            quantized by another method than AWQ), a file that is not ``.gguf``, an unknown
+            ``role``, or any fetch/conversion failure.
     """
     if path is None:
         if role not in ("target", "draft"):
@@ -86,7 +107,8 @@ def resolve_model(
     if not p.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if p.is_dir():
-        return _validate_hf_dir(p)
+        _validate_hf_dir(p)
+        return _awq_converted(p, cache_dir, progress) or p
     if p.is_file() and p.suffix.lower() == ".gguf":
         source_id = source_fingerprint(p)
         key = hashlib.sha256(source_id.encode("utf-8")).hexdigest()[:12]

@@ -16,19 +16,29 @@ from swiftspec import ops
 from swiftspec.ops import quant
 
 TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+KERNEL_TYPES = [int(t) for t in TYPES] + [quant.AWQ4]  # AWQ4: AWQ repacked (tests/test_awq.py)
 # byte offset of each block's fp16 scale(s)
-_D_OFFSETS = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_D_OFFSETS = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+              quant.AWQ4: (0,)}
 
 
-def random_blocks(t: Q, rows: int, k: int, seed: int = 0) -> torch.Tensor:
-    """``[rows, row_bytes]`` uint8 of random blocks of type ``t`` with sane fp16 scales."""
+def random_blocks(t: int, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """``[rows, row_bytes]`` uint8 of random blocks of type ``t`` with sane fp16 scales (and, for
+    AWQ4, zeros 0..15 and the reserved byte 0)."""
     rng = np.random.default_rng(seed)
     _, qk, bb = quant.GGML_TYPES[int(t)]
     raw = rng.integers(0, 256, size=(rows, k // qk, bb), dtype=np.uint8)
-    for off in _D_OFFSETS[t]:
+    for off in _D_OFFSETS[int(t)]:
         d = rng.uniform(0.001, 0.01, size=(rows, k // qk)).astype(np.float16)
         raw[..., off:off + 2] = d.view(np.uint8).reshape(rows, k // qk, 2)
+    if int(t) == quant.AWQ4:
+        raw[..., 2] %= 16
+        raw[..., 3] = 0
     return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def _name(t) -> str:
+    return quant.ggml_name(int(t))
 
 
 def _module():
@@ -50,7 +60,7 @@ def test_dequantize_matches_gguf_library(t):
     assert torch.equal(quant.dequantize(raw, int(t)), torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)))
 
 
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=_name)
 def test_activations_bit_identical_to_torch(t):
     m = _module()
     x = torch.randn(3, _k(t)) * 3
@@ -59,7 +69,7 @@ def test_activations_bit_identical_to_torch(t):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=_name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 21])
 def test_every_impl_matches_reference_and_scalar(t, rows):
     m = _module()
@@ -76,7 +86,7 @@ def test_every_impl_matches_reference_and_scalar(t, rows):
                                rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("t", [Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [Q.Q5_0, Q.Q4_K, Q.Q6_K, quant.AWQ4], ids=_name)
 def test_rows_are_batch_and_thread_invariant(t):
     m = _module()
     w = random_blocks(t, 70, _k(t))

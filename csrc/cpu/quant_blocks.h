@@ -29,11 +29,14 @@
 namespace swiftspec {
 namespace quant {
 
-// ggml type ids (ggml.h enum ggml_type) of the formats with a kernel.
-enum GgmlType : int { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// ggml type ids (ggml.h enum ggml_type) of the formats with a kernel, and kAWQ4, ours (outside
+// ggml's range): an AWQ int4 group repacked per 32 values at load (swiftspec/awq.py), 20 bytes:
+// fp16 scale d, uint8 zero z (0..15), one reserved byte, then 16 bytes of nibbles in Q4_0's order
+// (value l < 16: low nibble of byte l, value 16 + l: its high nibble); w = d * (q - z), exact.
+enum GgmlType : int { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kAWQ4 = 200 };
 
 // Values per block: 256 for the K (super-block) types, 32 for the others.
-static inline int block_values(int type) { return type >= kQ4_K ? 256 : 32; }
+static inline int block_values(int type) { return type >= kQ4_K && type <= kQ6_K ? 256 : 32; }
 
 // Bytes per block, 0 for a type without a kernel.
 static inline int block_bytes(int type) {
@@ -44,11 +47,12 @@ static inline int block_bytes(int type) {
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kAWQ4: return 20;
     default: return 0;
   }
 }
 
-static inline bool is_k_type(int type) { return type >= kQ4_K; }
+static inline bool is_k_type(int type) { return type >= kQ4_K && type <= kQ6_K; }
 
 // IEEE half -> float (exact), without F16C so the scalar path runs anywhere.
 static inline float f16_to_f32(uint16_t h) {

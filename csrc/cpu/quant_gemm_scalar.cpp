@@ -61,12 +61,15 @@ static void decode(int type, const uint8_t* blk, Decoded& o) {
       for (int j = 0; j < 16; ++j) o.mn[j] = sc[j];
       break;
     }
-    default: {  // Q4_0, Q5_0, Q8_0: signed values, no min term
+    default: {  // Q4_0, Q5_0, Q8_0, AWQ4: signed values, no min term
       o.ngroups = 1;
       o.d = load_f16(blk);
       o.dmin = 0.f;
       o.s_lo[0] = o.s_hi[0] = 1;
-      if (type == kQ8_0) {
+      if (type == kAWQ4) {
+        const int z = blk[2];
+        for (int l = 0; l < 32; ++l) o.q[0][l] = (l < 16 ? (blk[4 + l] & 0xF) : (blk[4 + l - 16] >> 4)) - z;
+      } else if (type == kQ8_0) {
         for (int l = 0; l < 32; ++l) o.q[0][l] = static_cast<int8_t>(blk[2 + l]);
       } else {
         const bool q5 = type == kQ5_0;

@@ -133,10 +133,11 @@ static void col_q6k(const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
   }
 }
 
-// Q4_0 / Q5_0 / Q8_0: signed values; |q| goes to maddubs' unsigned side, q's sign onto x.
+// Q4_0 / Q5_0 / Q8_0 / AWQ4: signed values; |q| goes to maddubs' unsigned side, q's sign onto x.
 template <int MR>
 static void col_q0(int type, const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
   const int bb = block_bytes(type);
+  const bool awq = type == kAWQ4;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * bb;
     const float d = load_h(blk);
@@ -145,14 +146,16 @@ static void col_q0(int type, const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
       q = loadu(blk + 2);
     } else {
       const bool q5 = type == kQ5_0;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q5 ? 6 : 2)));
+      const int nib_off = q5 ? 6 : (awq ? 4 : 2);  // where the 16 bytes of nibbles start
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + nib_off));
       q = nib_lo(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw));
       if (q5) {
         uint32_t qh;
         __builtin_memcpy(&qh, blk + 2, 4);
         q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
       }
-      q = _mm256_sub_epi8(q, _mm256_set1_epi8(q5 ? 16 : 8));
+      // the zero point: 16 (Q5_0), 8 (Q4_0) or the block's own (AWQ4)
+      q = _mm256_sub_epi8(q, _mm256_set1_epi8(static_cast<char>(awq ? blk[2] : (q5 ? 16 : 8))));
     }
     const __m256i aq = _mm256_sign_epi8(q, q);
     for (int i = 0; i < MR; ++i) {

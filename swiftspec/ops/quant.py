@@ -3,11 +3,13 @@
 The weights of a GGUF linear layer stay in the file's block format: a ``[N, row_bytes]`` uint8
 tensor per weight whose row ``n`` is the ``K / QK`` blocks of output feature ``n`` (llama.cpp's
 ``block_q4_0`` / ``block_q5_0`` / ``block_q8_0`` with QK = 32, ``block_q4_K`` / ``block_q5_K`` /
-``block_q6_K`` with QK = 256; ggml-common.h). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``) reads
-those bytes in place; this module has the same arithmetic in PyTorch:
+``block_q6_K`` with QK = 256; ggml-common.h), or AWQ int4 groups repacked once at load into
+:data:`AWQ4` blocks of 32 (:mod:`swiftspec.awq`). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``)
+reads those bytes in place; this module has the same arithmetic in PyTorch:
 
 * :func:`dequantize` turns blocks into float32 values (tested against the ``gguf`` library's
-  ``gguf.quants.dequantize``), used for embedding lookups and by the PyTorch path;
+  ``gguf.quants.dequantize``, and for AWQ4 against autoawq's own dequantization), used for
+  embedding lookups and by the PyTorch path;
 * :func:`quantize_activations` forms exactly the kernel's int8 activations (llama.cpp's Q8_0 /
   Q8_K pairing: one scale per 32 values for the 32-value types, per 256 plus sums of every 16
   for the K types);
@@ -19,7 +21,11 @@ from __future__ import annotations
 
 import torch
 
-# ggml type id -> (name, values per block, bytes per block), for the types with a kernel
+# AWQ int4 repacked per 32 values (our own block type, outside ggml's ids; swiftspec/awq.py):
+# fp16 scale d, uint8 zero z, a reserved byte, 16 bytes of nibbles in Q4_0's order; w = d * (q - z)
+AWQ4 = 200
+
+# block type id -> (name, values per block, bytes per block), for the types with a kernel
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
     6: ("Q5_0", 32, 22),
@@ -27,14 +33,18 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    AWQ4: ("AWQ4", 32, 20),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
 
 
 def ggml_name(ggml_type: int) -> str:
-    """The ggml name of a type id (e.g. 12 -> "Q4_K"), from the ``gguf`` library's table."""
+    """The name of a block type id (e.g. 12 -> "Q4_K", 200 -> "AWQ4"); ggml's from the ``gguf``
+    library's table."""
     from gguf import GGMLQuantizationType
 
+    if int(ggml_type) == AWQ4:
+        return "AWQ4"
     try:
         return GGMLQuantizationType(int(ggml_type)).name
     except ValueError:
@@ -92,6 +102,9 @@ def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if nbytes % bb:
         raise ValueError(f"{name}: {nbytes} bytes per row is not a whole number of {bb}-byte blocks")
     blk = raw.reshape(n, nbytes // bb, bb)
+    if name == "AWQ4":
+        d, z, qs = _f16(blk[..., 0:2]), blk[..., 2:3].int(), blk[..., 4:20]
+        return ((torch.cat([qs & 0xF, qs >> 4], -1).int() - z).float() * d).reshape(n, -1)
     if name in ("Q4_0", "Q5_0", "Q8_0"):
         d = _f16(blk[..., 0:2])
         if name == "Q8_0":
