@@ -177,10 +177,12 @@ def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
     path = tmp_path / "tiny.gguf"
     make_gguf(path, seed=3)
     prompt = [5, 9, 77, 3, 41]
-    plain = LlamaCppPeer(path, threads=1, n_ctx=128)
+    plain = LlamaCppPeer(path, threads=1, n_ctx=768)
     ref, _ = plain.generate(prompt, 24)
-    spec = LlamaCppPeer(path, threads=1, n_ctx=128, draft_gguf=path, draft_tokens=4)
+    spec = LlamaCppPeer(path, threads=1, n_ctx=768, draft_gguf=path, draft_tokens=4)
     assert spec.system == "llama-cpp-spec"
     out, m = spec.generate(prompt, 24)
     assert out == ref and len(out) == 24
     assert m.compression_ratio > 2.0
+    long = [(7 * i + 3) % 90 for i in range(600)]  # past llama.cpp's n_batch (512): two prompt batches
+    assert spec.generate(long, 8)[0] == plain.generate(long, 8)[0]

@@ -166,7 +166,10 @@ def check_memory(need: dict[str, int], available: int | None) -> None:
         f"(keep autoregressive in each run for the equality column) or use a smaller dtype")
 
 
-def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args):
+def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args, n_ctx: int = 4096):
+    """Load one system of the run. ``n_ctx``: the llama.cpp peers' context (the longest prompt
+    plus the tokens to generate; with a draft model llama-cpp-python keeps logits for every
+    position of it, 0.6 MB each for the default pair's vocabulary)."""
     from swiftspec.benchmark.peers import HFPeer, LlamaCppPeer
 
     if system == "swiftspec-profiled":
@@ -190,10 +193,10 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
         if gguf is None or not Path(gguf).exists():
             raise RuntimeError(f"{system} needs the target's GGUF file (--target-gguf)")
         if system == "llama-cpp":
-            return LlamaCppPeer(gguf, threads=len(cores))
+            return LlamaCppPeer(gguf, threads=len(cores), n_ctx=n_ctx)
         if draft is None or not Path(draft).exists():
             raise RuntimeError("llama-cpp-spec needs the draft's GGUF file (--draft-gguf)")
-        return LlamaCppPeer(gguf, threads=len(cores), draft_gguf=draft, draft_tokens=4)
+        return LlamaCppPeer(gguf, threads=len(cores), n_ctx=n_ctx, draft_gguf=draft, draft_tokens=4)
     raise ValueError(system)
 
 
@@ -334,7 +337,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     records: list[dict] = []
     try:
         for s in args.systems:
-            systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args)
+            n_ctx = max(len(ids) for _, ids in prompts) + args.max_tokens + 16
+            systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args, -(-n_ctx // 256) * 256)
         for ds, ids in tqdm(prompts, desc="prompts", file=sys.stderr):
             outs = {}
             for s, sysm in list(systems.items()):

@@ -124,8 +124,11 @@ class LlamaCppPeer:
         if draft_gguf is not None:  # llama-cpp-python calls draft_model(input_ids) -> draft tokens
             self.draft = _GgufDraft(draft_gguf, threads, n_ctx, draft_tokens)
         self.system = "llama-cpp-spec" if draft_gguf is not None else "llama-cpp"
+        # With a draft model llama-cpp-python keeps the logits of every position, but sizes its
+        # score buffer from the logits_all argument (n_batch rows when False): a prompt longer than
+        # n_batch (512) then fails to copy its second batch. Asking for logits_all sizes it n_ctx.
         self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False, logits_all=False,
+                                   n_threads_batch=threads, verbose=False, logits_all=self.draft is not None,
                                    draft_model=self.draft)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=()) -> tuple[list[int], RequestMetrics]:
