@@ -10,6 +10,8 @@ Setup is collective over the group's torch.distributed (gloo) process group: ran
 segment with a unique name, broadcasts the name, the others attach, a barrier, then rank 0 removes
 the name. From then on the segment lives only as long as the processes that map it: a crash can
 never leak it.
+
+Architecture: docs/architecture.md §6.
 """
 from __future__ import annotations
 

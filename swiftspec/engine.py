@@ -5,6 +5,8 @@ that they share a tokenizer, starts one worker process per TP rank of each devic
 serves one request at a time. Any worker that dies or raises makes the current call fail within
 a fraction of a second with :class:`WorkerError`; ``close()`` (or leaving the ``with`` block)
 stops every worker.
+
+Architecture: docs/architecture.md §1.
 """
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ the quantized kernels' block formats). :func:`resolve_model` produces such direc
 * a plain HF directory, used as it is.
 
 Conversions are cached atomically (:mod:`swiftspec.model_cache`).
+
+Architecture: docs/architecture.md §7.
 """
 
 from __future__ import annotations

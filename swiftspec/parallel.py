@@ -1,6 +1,6 @@
 """Tensor-parallel process groups and the collectives the TP layers use.
 
-A *group* (draft group or target group, README.md ("How it works")) is a set of processes that shard one model
+A *group* (draft group or target group, docs/architecture.md §1) is a set of processes that shard one model
 Megatron style. On CPU the collectives run over torch.distributed with the gloo backend; on CUDA
 over NCCL. ``TPContext`` is what a layer sees: its rank inside the group, the group size (the TP
 degree) and the collectives it needs. On CPU, when every rank of a group runs on one host, a group

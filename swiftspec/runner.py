@@ -2,7 +2,7 @@
 
 Only the group leader runs the scheduling logic. Every model call it makes (forward, KV moves,
 resets) is first sent to the group's followers over pipes, then run locally, so all ranks of the
-group execute the same sequence of collectives (README.md, "How it works").
+group execute the same sequence of collectives (docs/architecture.md §1).
 """
 from __future__ import annotations
 

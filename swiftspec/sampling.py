@@ -1,6 +1,6 @@
 """Sampling parameters and the target's token sampler.
 
-The target samples every emitted token itself (README.md, "How it works"), so the output distribution is the
+The target samples every emitted token itself (docs/architecture.md §3), so the output distribution is the
 target's own whatever the draft guessed. The sampler draws exactly one uniform number per
 emitted token (inverse-CDF sampling), so a seed gives the same text in every mode.
 """

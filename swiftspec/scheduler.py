@@ -9,6 +9,8 @@
 Each loop reports verified tokens through ``emit(tokens, t)`` (``t`` = time.perf_counter(),
 comparable across processes on Linux) and returns its statistics. They are plain functions of
 the draft/target state objects and two message channels, so tests run them in one process.
+
+Architecture: docs/architecture.md §5.
 """
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ The prefix cache holds the verified tokens whose KV exists, in order (the root i
 them once the root has been run). The tree cache holds the KV of every *expanded* non-root node.
 Verified tokens without KV yet (``pending``) are run by the next expansion, which is then a
 *catch-up* forward over just those tokens, ending at the root.
+
+Architecture: docs/architecture.md §2.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Starting at the root, the target samples its own next token from its logits at t
 If that token is a child of the node in the subgraph, the child is accepted and the walk goes on
 from it; the first sample that is not a child is the *bonus token*. Since every emitted token is
 the target's own sample given the verified prefix, the output is exactly the target's.
+
+Architecture: docs/architecture.md §3.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker processes: one per TP rank of each device group (README.md, "How it works").
+"""Worker processes: one per TP rank of each device group (docs/architecture.md §1).
 
 A worker pins itself to its cores, joins the torch.distributed world when its group has more
 than one rank, loads its model shard(s), reports ``("ready", pid)`` to the engine, and then

@@ -8,6 +8,8 @@ when the layer is built (vLLM's ``quant_method``), never by probing a module lat
 is :func:`swiftspec.ops.quant_linear`: the CPU kernel reads the blocks in place
 (``csrc/cpu/quant_gemm*.cpp``); the PyTorch path (kernels off) multiplies the same int8
 activations by a float32 copy of the dequantized weights, made on first use.
+
+Architecture: docs/architecture.md §7.
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ Padded gate/up rows give ``SiLU(0) * 0 = 0`` and meet zero columns of the row-pa
 projection, so the all-reduced output equals the unpadded model's. Attention heads follow
 :func:`gqa_head_layout`. With divisible dimensions nothing is padded and the layout is plain
 Megatron's.
+
+Architecture: docs/architecture.md §6.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ indices: the caller (draft or target state) decides which slots hold the prefix 
 tokens, contiguous from slot 0) and which hold the tree cache (right after the prefix). Rejected
 entries are never rolled back: they are simply overwritten later (gpt-fast's static cache).
 Reorganizing after a re-root is :meth:`KVCache.move`, a gather into the same buffer (SwiftSpec paper §3.2).
+
+Architecture: docs/architecture.md §4.
 """
 from __future__ import annotations
 

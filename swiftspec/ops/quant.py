@@ -16,6 +16,8 @@ reads those bytes in place; this module has the same arithmetic in PyTorch:
 * :func:`reference_linear` is the test oracle (fp64 sums of dequantized weights times the same
   int8 activations) and :func:`torch_linear` the PyTorch path with kernels off (fp32 matmul on
   dequantized weights and the same int8 activations).
+
+Architecture: docs/architecture.md §8.
 """
 from __future__ import annotations
 
