@@ -35,10 +35,12 @@ setup(
     # torch is not pinned here: install the build for your machine first (CPU: torch==2.13.0).
     install_requires=["torch>=2.5", "numpy", "safetensors", "tokenizers>=0.19", "transformers>=4.45", "gguf>=0.10",
                       "jinja2", "tqdm",
+                      # swiftspec serve
+                      "fastapi", "uvicorn", "prometheus-client",
                       # the CPU twins (csrc/cpu) are JIT-built by torch.utils.cpp_extension on first use
                       "ninja", "pybind11"],
     extras_require={
-        "test": ["pytest", "scipy", "matplotlib"],
+        "test": ["pytest", "scipy", "matplotlib", "openai", "httpx"],
         # llama-cpp-python builds llama.cpp from source (several minutes); only the peer benchmark needs it
         "bench": ["matplotlib", "llama-cpp-python"],
     },

@@ -84,6 +84,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return profile_main(args=args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from swiftspec.loader import resolve_model
+    from swiftspec.server import serve
+
+    name = args.served_model_name or resolve_model(args.target, "target", args.cache_dir).name
+    serve(lambda: make_engine(args), name, args.host, args.port, args.max_queue, args.api_key)
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from swiftspec.loader import fetch_default_pair
 
@@ -109,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, metrics)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one decodes; more get 429")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the target's directory name)")
+    _add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="end-to-end benchmark against peers on the evaluation prompt sets")
     from swiftspec.benchmark.e2e import build_parser as bench_parser

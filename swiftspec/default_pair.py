@@ -83,6 +83,12 @@ def default_gguf_paths(
     return paths
 
 
+def default_model_dir(role: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the default ``role`` ("target" or "draft") model's converted directory is (or will
+    be once :func:`fetch_default_pair` has run); nothing is fetched."""
+    return cache_root(cache_dir) / "models" / (_TARGET if role == "target" else _DRAFT).name
+
+
 def _gguf_path(root: Path, src: _WheelGguf) -> Path:
     return root / "gguf" / f"{src.name}.gguf"
 

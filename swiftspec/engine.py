@@ -175,10 +175,12 @@ class EngineConfig:
         return cls(**data)
 
 
-def choose_mode(config: EngineConfig, target_native: bool = False) -> tuple[str, str]:
+def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dict | None = None) -> tuple[str, str]:
     """The mode to run and why: ``config.mode`` unless it is "auto".
 
-    "auto" follows what was measured (bench/RESULTS.md): with several NUMA nodes each group gets a
+    "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
+    pair when one is stored (``profiled``, :func:`swiftspec.machine_profile.cached_profile`).
+    Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA nodes each group gets a
     memory bus of its own and ``async`` runs. Where every core shares one bus: a target on GGUF
     blocks (``target_native``) whose quantized kernel has no VNNI (AVX2 or scalar: an 8-row
     verification is compute bound, ~3.4x a one-token step) decodes fastest ``autoregressive``
@@ -188,6 +190,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False) -> tuple[str,
     """
     if config.mode != "auto":
         return config.mode, "as configured"
+    if profiled is not None and profiled.get("mode") in MODES:
+        measured = profiled.get("_measured") or {}
+        return profiled["mode"], (f"auto: swiftspec profile of {measured.get('date', '?')} measured it fastest "
+                                  f"on this machine and model pair ({measured.get('tokens_per_s', 0):.2f} tokens/s)")
     nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
     cores = len(_available_cores())
     if nodes >= 2 and cores >= 2:
@@ -231,6 +237,19 @@ def _split(cores: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins one of the ``stop`` strings: a stream
+    holds it back until the next tokens show whether the stop string completes (and the text is
+    cut there) or not, so the streamed text always equals the final text."""
+    held = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
 class Engine:
     """Latency-first speculative decoding with concurrent draft and target groups.
 
@@ -260,7 +279,15 @@ class Engine:
         from swiftspec.models.llama import native_types
 
         self.target_path = resolve_model(target, "target", cache_dir)
-        mode, self.mode_reason = choose_mode(config, bool(native_types(self.target_path)))
+        profiled = None
+        if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
+            from swiftspec.default_pair import default_model_dir
+            from swiftspec.machine_profile import cached_profile
+
+            key_draft = resolve_model(draft, "draft", cache_dir) if draft is not None else \
+                default_model_dir("draft", cache_dir)
+            profiled = cached_profile(self.target_path, key_draft, cache_dir)
+        mode, self.mode_reason = choose_mode(config, bool(native_types(self.target_path)), profiled)
         self.config = config = replace(config, mode=mode)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
@@ -537,6 +564,7 @@ class Engine:
                 st.events.append((t, len(new)))
                 st.tokens += new
                 text = self._text(st.tokens, req.params.stop)
+                text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]  # may still become a stop
                 if text.startswith(st.text) and len(text) > len(st.text):
                     delta, st.text = text[len(st.text):], text
                     yield StreamChunk(delta, new)

@@ -112,9 +112,13 @@ def test_profile_confirms_a_sweep_winner_against_the_defaults():
     assert best is default and again == [] and asked == []
 
 
-def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, capsys):
-    """`swiftspec profile` measures the split and the shared (serial) allocation, prints every
-    candidate and writes a configuration the engine runs with the target's own greedy output."""
+def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, capsys, monkeypatch):
+    """`swiftspec profile` measures the split, the shared (serial) allocation and the target alone,
+    prints every candidate, writes a configuration the engine runs with the target's own greedy
+    output, and stores its mode for mode="auto" on this machine and pair."""
+    from swiftspec import machine_profile
+
+    monkeypatch.setattr(machine_profile, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     from swiftspec.benchmark.profile import main
     from swiftspec.engine import Engine, EngineConfig
     from swiftspec.sampling import SamplingParams
@@ -129,10 +133,14 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
     rows = [line for line in printed.splitlines() if line.startswith("| sweep")]
     modes = [line.split("|")[2].strip() for line in rows]
     assert modes.count("async") == 3 and modes.count("serial") == 3, printed  # auto d plus two more each
+    assert modes.count("autoregressive") == 1, printed
     assert printed.count("**chosen**") == 1 and "chosen: " in printed
     cfg = EngineConfig.from_json(out)
-    assert cfg.mode in ("async", "serial") and cfg.dtype == "float32"
+    assert cfg.mode in ("async", "serial", "autoregressive") and cfg.dtype == "float32"
     assert json.loads(out.read_text())["_measured"]["tokens_per_s"] > 0
+    # stored for mode=auto on this machine and pair (in this test's cache)
+    with Engine(tiny_dir, tiny_draft_dir, dtype="float32") as eng:
+        assert eng.config.mode == cfg.mode and "swiftspec profile" in eng.mode_reason
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with Engine(tiny_dir, tiny_draft_dir, config=cfg) as eng:
         got = eng.generate("count: 5 6", params).token_ids
@@ -153,14 +161,20 @@ def test_kernel_bench_quant_cases():
     except cpu.KernelBuildError as e:
         pytest.skip(f"CPU kernels unavailable: {e}")
     g = torch.Generator().manual_seed(1)
-    for t in (12, 14, 8):
+    for t in (12, 14, 8, quant.AWQ4):
         assert torch.isfinite(quant.dequantize(kernels._random_blocks(4, 512, t, g), t)).all()
+    w = kernels._random_blocks(16, 256, quant.AWQ4, g)
+    packed, sz = kernels._torch_int4(w)  # the int4 baseline computes the same layer (bf16 rounding)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz).float(),
+                               x @ quant.dequantize(w, quant.AWQ4).T, rtol=0.05, atol=0.05)
     cases = kernels.quant_linear_cases([1], rounds=1, iters=1, rows=(1,))
-    assert len(cases) == 2
+    assert len(cases) == 3
     for c in cases:
         s = c.summary()
+        int4 = {"torch int4 (bf16, group 32)"} if "AWQ4" in c.shape else set()
         assert {f"ours, {i} kernel" for i in ext.quant_impls()[1:]} | {
-            "kernels off (int8 x fp32, PyTorch)", "F.linear fp32 dequantized", "F.linear bf16 dequantized"} \
+            "kernels off (int8 x fp32, PyTorch)", "F.linear fp32 dequantized", "F.linear bf16 dequantized"} | int4 \
             == set(s["baselines"])
         assert s["ours_gb_s"] > 0 and s["weight_bytes"] == c.weight_bytes
     assert "GB/s" in kernels.table(cases)

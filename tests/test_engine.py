@@ -6,6 +6,7 @@ import time
 import pytest
 
 from swiftspec import Engine, SamplingParams, TokenizerMismatchError, WorkerError
+from swiftspec import engine as engine_mod
 from swiftspec.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -69,6 +70,13 @@ def test_stream_stop_strings_and_chat(tiny_dir, tiny_draft_dir, reference):
         stop = reference.text[5:7]
         out = eng.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))
         assert out.finish_reason == "stop" and out.text == reference.text[:reference.text.find(stop)]
+        # streamed text equals the final text: the start of a stop string is held back until the
+        # stop string completes (text cut) or cannot (text released)
+        for stop, final in ((stop, out.text), (reference.text[3:5] + "\x01", reference.text)):
+            params = SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop])
+            assert "".join(c.text for c in eng.stream(PROMPT, params)) == final
+        assert engine_mod._stop_prefix_len("abcx", ("xyz", "cxq")) == 2
+        assert engine_mod._stop_prefix_len("abc", ("zz",)) == 0
         chat = eng.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(chat.token_ids) == 4
         sampled = [eng.generate(PROMPT, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16,
@@ -142,3 +150,24 @@ def test_abandoned_stream_is_cancelled(tiny_dir, tiny_draft_dir, reference):
         it.close()
         assert time.monotonic() - t0 < 10
         assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+
+
+def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, monkeypatch):
+    from swiftspec import engine, machine_profile
+
+    auto = engine.EngineConfig()
+    assert engine.choose_mode(engine.EngineConfig(mode="serial"), True, {"mode": "async"}) == ("serial", "as configured")
+    mode, why = engine.choose_mode(auto, True, None)  # no profile: the built-in rule says why
+    assert mode in engine.MODES and why.startswith("auto: ")
+    profiled = {"mode": "async", "_measured": {"date": "2026-11-23 10:00", "tokens_per_s": 12.5}}
+    assert engine.choose_mode(auto, True, profiled) == (
+        "async", "auto: swiftspec profile of 2026-11-23 10:00 measured it fastest on this machine and model "
+        "pair (12.50 tokens/s)")
+    assert engine.choose_mode(auto, True, {"mode": "warp"})[0] != "warp"  # a broken record is ignored
+    # stored per machine and pair, atomically; another pair or a corrupt file has none
+    t, d, other = tmp_path / "t", tmp_path / "d", tmp_path / "o"
+    path = machine_profile.save_profile(profiled, t, d, tmp_path / "cache")
+    assert machine_profile.cached_profile(t, d, tmp_path / "cache")["mode"] == "async"
+    assert machine_profile.cached_profile(t, other, tmp_path / "cache") is None
+    path.write_text("{not json")
+    assert machine_profile.cached_profile(t, d, tmp_path / "cache") is None

@@ -201,25 +201,44 @@ def _random_blocks(n: int, k: int, ggml_type: int, g: torch.Generator) -> torch.
     fields = {12: (0, 2), 13: (0, 2), 14: (208,)}.get(ggml_type, (0,))  # d (and dmin) offsets
     for off in fields:
         blocks[:, :, off:off + 2] = small
+    if ggml_type == quant.AWQ4:  # zero 0..15, reserved byte 0
+        blocks[:, :, 2] &= 0xF
+        blocks[:, :, 3] = 0
     return raw
 
 
+def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ4 blocks ``[n, row_bytes]`` -> torch's int4 CPU format with one group per block (32):
+    ``(packed weight, [K / 32, n, 2] bf16 scale and zero)``, ``w = (q - 8) * scale + zero`` with
+    ``zero = (8 - z) * d`` (rounded to bf16: a speed baseline, not an exact one)."""
+    n = w.shape[0]
+    blk = w.view(n, -1, 20)
+    q = torch.cat([blk[..., 4:20] & 0xF, blk[..., 4:20] >> 4], -1).reshape(n, -1).int()
+    d = blk[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [n, K/32]
+    z = blk[..., 2].float()
+    sz = torch.stack([d.T, ((8 - z) * d).T], -1).to(torch.bfloat16).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
 def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> list[Case]:
-    """The default target's GGUF layers (Q4_K gate+up, Q6_K down_proj, K = 1536 / 8960): our
-    quantized GEMM on the blocks in place (``auto`` = the ISA dispatch picks; every other kernel
-    this CPU runs is listed beside it) vs the kernels-off PyTorch path of the same arithmetic (int8
-    activations x dequantized fp32 weights) and vs ``F.linear`` on weights dequantized to fp32 and
-    bf16 once. torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) is not a baseline: its
-    format (one asymmetric scale + zero per group) cannot hold Q4_K's 6-bit sub-scales and mins or
-    Q6_K without re-quantizing, i.e. a different model."""
+    """The default target's GGUF layers (Q4_K gate+up, Q6_K down_proj, K = 1536 / 8960) and its
+    gate+up as an AWQ checkpoint would load (AWQ4 blocks): our quantized GEMM on the blocks in place
+    (``auto`` = the ISA dispatch picks; every other kernel this CPU runs is listed beside it) vs
+    the kernels-off PyTorch path of the same arithmetic (int8 activations x dequantized fp32
+    weights) and vs ``F.linear`` on weights dequantized to fp32 and bf16 once. torch's int4 CPU
+    kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations) is a baseline for AWQ4 only: its
+    format (one asymmetric scale + zero per group) holds AWQ's groups but not Q4_K's 6-bit
+    sub-scales and mins or Q6_K without re-quantizing, i.e. a different model."""
     from swiftspec.ops import cpu, quant
 
     ext = cpu.load()
     g = torch.Generator().manual_seed(0)
     hidden, inter = MODELS["qwen-1.5b (target)"][:2]
     cases = []
-    for what, ggml_type, k, n in (("gate_up", 12, hidden, 2 * inter), ("down_proj", 14, inter, hidden)):
+    for what, ggml_type, k, n in (("gate_up", 12, hidden, 2 * inter), ("down_proj", 14, inter, hidden),
+                                  ("gate_up", quant.AWQ4, hidden, 2 * inter)):
         w = _random_blocks(n, k, ggml_type, g)
+        int4 = _torch_int4(w) if ggml_type == quant.AWQ4 else None
         w32 = quant.dequantize(w, ggml_type)
         w16 = w32.to(torch.bfloat16)
         others = ext.quant_impls()[1:]  # the kernels this CPU runs besides the dispatched one
@@ -234,6 +253,9 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
                 fns["kernels off (int8 x fp32, PyTorch)"] = lambda: quant.torch_linear(x, [w], [ggml_type], [w32])
                 fns["F.linear fp32 dequantized"] = lambda: F.linear(x, w32)
                 fns["F.linear bf16 dequantized"] = lambda: F.linear(x16, w16)
+                if int4 is not None:
+                    fns["torch int4 (bf16, group 32)"] = \
+                        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, int4[0], 32, int4[1])
                 t = time_interleaved(fns, rounds, iters, _sync("cpu"))
                 shape = (f"qwen-1.5b (target) {what} {quant.ggml_name(ggml_type)} M={m} K={k} N={n} "
                          f"({w.numel() / 2 ** 20:.1f} MiB; kernel {ext.quant_impls()[0]})")

@@ -9,7 +9,8 @@ to end on calibration prompts and write the chosen configuration as JSON for
 ``Engine(config=...)`` / ``swiftspec generate --config``.
 
 Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
-where draft and target take turns on every device. The paper's GPUs gain from splitting because a
+where draft and target take turns on every device; and so is the target alone
+(``autoregressive``), which wins where a verification batch costs more than it saves. The paper's GPUs gain from splitting because a
 group's speed grows slowly with its size; on a few CPU cores the target's speed is about
 proportional to its cores (bench/RESULTS.md: 8-row verification 182 ms on one core, and 233 ms
 while the draft streams its weights on the other), so sharing can win, and the profile says so
@@ -17,6 +18,8 @@ instead of assuming the split. The engine's defaults are kept unless
 a candidate beats them by more than ``margin`` (run-to-run noise on a shared machine is several
 percent, and a winner by noise does worse than the defaults on prompts the profile did not see),
 both in the sweep and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
+The chosen mode is also stored for ``mode="auto"`` on this machine and model pair
+(:mod:`swiftspec.machine_profile`).
 """
 from __future__ import annotations
 
@@ -139,7 +142,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     splits.sort(key=lambda sp: len(sp[1]) != n_draft)
 
     def engine_config(row: dict) -> EngineConfig:
-        shared = row["mode"] == "serial"
+        shared = row["mode"] != "async"
         return EngineConfig(mode=row["mode"], dtype=dtype, target_cores=row["target_cores"],
                             draft_cores=None if shared else row["draft_cores"], bs=row["bs"], w=row["w"],
                             topk=row["w"], d=None if row["d"] == "auto" else row["d"])
@@ -164,7 +167,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
         return out
 
     rows: list[dict] = []
-    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 2, desc="candidates", file=sys.stderr,
+    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 3, desc="candidates", file=sys.stderr,
                disable=not progress)
     for t_dev, d_dev in splits:
         for bs, w in shapes:
@@ -173,6 +176,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
             rows += run(base, explore_d=True)
     rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"}, explore_d=True)
+    # the target alone: where a verification batch costs more than the tokens it saves, the fastest
+    rows += run({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
+                 "bs": dflt.bs, "w": dflt.w, "d": "auto"})
     best, again = choose_confirmed(rows, lambda r: run({**r, "round": "confirm"})[0], margin)
     rows += again
     bar.close()
@@ -225,10 +231,15 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     tmp = Path(f"{args.output}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(best, indent=1))
     os.replace(tmp, args.output)
-    cores = (f"all cores {best['target_cores']} shared" if best["mode"] == "serial" else
-             f"target cores {best['target_cores']}, draft cores {best['draft_cores']}")
+    from swiftspec.loader import resolve_model
+    from swiftspec.machine_profile import save_profile
+
+    stored = save_profile(best, resolve_model(args.target, "target"), resolve_model(args.draft, "draft"))
+    cores = (f"target cores {best['target_cores']}, draft cores {best['draft_cores']}" if best["mode"] == "async"
+             else f"all cores {best['target_cores']}")
     print(f"\nchosen: {best['mode']}, {cores}, bs={best['bs']} "
-          f"w={best['w']} d={best['d'] or 'auto'}: {best['_measured']['tokens_per_s']:.2f} tokens/s -> {args.output}")
+          f"w={best['w']} d={best['d'] or 'auto'}: {best['_measured']['tokens_per_s']:.2f} tokens/s -> {args.output}\n"
+          f"stored for mode=auto on this machine and model pair: {stored}")
     return 0
 
 

@@ -1,0 +1,299 @@
+"""``swiftspec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn, SSE for streams).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (with
+``suffix`` for fill-in-the-middle), ``GET /health``, ``GET /metrics`` (Prometheus text format).
+
+Latency first: one request decodes at a time; the others wait in arrival order (FIFO), at most
+``max_queue`` of them, and the next one gets 429. The engine is blocking, so a request runs on a
+worker thread that forwards the engine's stream chunks to the event loop; a client that
+disconnects sets a flag the thread checks at every chunk, and closing the engine's stream cancels
+the request in the workers (:meth:`swiftspec.engine.Engine.stream`), so the engine is free for
+the next request one iteration later. A dead worker (:class:`~swiftspec.engine.WorkerError`)
+gives the request in flight 503 and the engine is restarted before the next queued request runs
+(queued requests wait; the restart takes as long as an engine start, seconds once the models are
+converted).
+"""
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from swiftspec import openai_protocol as oai
+from swiftspec.openai_protocol import APIError
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("swiftspec_requests", "requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.tokens = Counter("swiftspec_generated_tokens", "generated tokens", registry=r)
+        self.prompt_tokens = Counter("swiftspec_prompt_tokens", "prompt tokens", registry=r)
+        self.ttft = Histogram("swiftspec_ttft_seconds", "time to first token", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+        self.tbt = Histogram("swiftspec_tbt_seconds", "mean time between tokens per request", registry=r,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8))
+        self.compression = Histogram("swiftspec_compression_ratio", "verified tokens per target forward",
+                                     registry=r, buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
+        self.queue = Gauge("swiftspec_queue_depth", "requests waiting for the engine", registry=r)
+        self.restarts = Counter("swiftspec_engine_restarts", "engine restarts after a worker died", registry=r)
+
+    def record(self, out) -> None:
+        m = out.metrics
+        self.tokens.inc(len(out.token_ids))
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.ttft.observe(m.ttft_s)
+        if m.num_tokens > 1:
+            self.tbt.observe(m.tbt_mean_s)
+        self.compression.observe(m.compression_ratio)
+
+
+class EngineHost:
+    """One engine, its FIFO admission and its restart after a worker died.
+
+    Args:
+        make_engine: builds a started :class:`~swiftspec.engine.Engine` (called again to restart).
+        max_queue: requests allowed to wait while one runs; more get 429.
+    """
+
+    def __init__(self, make_engine: Callable[[], object], max_queue: int = 16):
+        self.make_engine = make_engine
+        self.engine = make_engine()
+        self.max_queue = max_queue
+        self.metrics = Metrics()
+        self._lock = asyncio.Lock()  # fair: waiters acquire in arrival order
+        self._waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Wait for the engine in arrival order. Raises APIError(429) when ``max_queue`` wait."""
+        if self._lock.locked() and self._waiting >= self.max_queue:
+            raise APIError(429, f"{self._waiting} requests are already waiting (--max-queue {self.max_queue}); "
+                                "retry later")
+        self._waiting += 1
+        self.metrics.queue.set(self._waiting)
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+            self.metrics.queue.set(self._waiting)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _produce(self, prompt, params, chat: bool, put, cancel: threading.Event) -> None:
+        """Worker thread: run the engine's stream, hand each chunk to ``put``; stop at ``cancel``."""
+        try:
+            gen = self.engine.stream(prompt, params, chat=chat)
+            try:
+                for chunk in gen:
+                    put(("chunk", chunk))
+                    if cancel.is_set():
+                        break
+            finally:
+                gen.close()  # an unfinished request is cancelled in the workers
+        except BaseException as e:  # reported to the request, never lost in the thread
+            put(("error", e))
+        else:
+            put(("end", None))
+
+    def _restart(self) -> None:
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception):
+            self.engine.close()
+        self.engine = self.make_engine()
+        self.metrics.restarts.inc()
+        print(f"swiftspec serve: engine restarted after a worker died ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    async def run(self, prompt, params, chat: bool) -> AsyncIterator:
+        """Yield the engine's :class:`~swiftspec.engine.StreamChunk` s for one request, after
+        waiting for its turn. Stopping the iteration (a disconnected client) cancels it.
+
+        Raises:
+            APIError: 429 (queue full), 400 (the engine refused the prompt or parameters), 503
+                (a worker died: the engine is restarted before the slot is released)."""
+        from swiftspec.engine import EngineError, WorkerError
+
+        async with self.slot():
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            cancel = threading.Event()
+            thread = loop.run_in_executor(None, self._produce, prompt, params, chat,
+                                          lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), cancel)
+            error = None
+            try:
+                while True:
+                    kind, item = await queue.get()
+                    if kind == "chunk":
+                        yield item
+                    elif kind == "error":
+                        error = item
+                        break
+                    else:
+                        break
+            finally:
+                cancel.set()
+                with anyio_shield():  # the engine must be idle before the next request runs
+                    await thread
+                    failed = error is not None and not isinstance(error, (ValueError, TypeError))
+                    if failed:  # a dead worker (WorkerError), or its pipe gone (OSError)
+                        await loop.run_in_executor(None, self._restart)
+            if isinstance(error, (ValueError, TypeError)):
+                raise APIError(400, str(error))
+            if error is not None:
+                kind = "a worker died" if isinstance(error, (WorkerError, EngineError)) else type(error).__name__
+                raise APIError(503, f"the engine failed ({kind}: {str(error).splitlines()[0] if str(error) else ''}) "
+                                    "and was restarted; retry the request")
+
+
+def anyio_shield():
+    """A cancel scope that shields its body from the request's cancellation (client gone)."""
+    import anyio
+
+    return anyio.CancelScope(shield=True)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
+
+
+def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
+    """The FastAPI application serving ``host``'s engine as ``model_name``."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        host.engine.close()  # uvicorn's graceful shutdown (SIGINT/SIGTERM): no worker outlives the server
+
+    app = FastAPI(title="SwiftSpec", version="0.1", lifespan=lifespan)
+    metrics = host.metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def _check_key(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+
+    async def _body(request: Request) -> dict:
+        _check_key(request)
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        if body.get("model") not in (None, model_name):
+            raise APIError(400, f"model {body.get('model')!r} does not exist; this server runs {model_name!r}",
+                           "model", code="model_not_found")
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_key(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "swiftspec"}]}
+
+    async def _serve(request: Request, endpoint: str, prompt, chat: bool, params, stream: bool, include_usage: bool):
+        rid = oai.new_id("chatcmpl" if chat else "cmpl")
+        gen = host.run(prompt, params, chat)
+        if not stream:
+            out = None
+            async for chunk in gen:
+                if chunk.finished:
+                    out = chunk.output
+                elif await request.is_disconnected():
+                    await gen.aclose()  # cancels the request; frees the engine
+                    return PlainTextResponse("", status_code=499)
+            metrics.record(out)
+            metrics.requests.labels(endpoint, "200").inc()
+            make = oai.chat_response if chat else oai.completion_response
+            return make(rid, model_name, out)
+        try:  # the first chunk (or the error) before the 200 header goes out
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+
+        async def events():
+            chunk, out = first, None
+            if chat:
+                yield sse(oai.chat_chunk(rid, model_name, {"role": "assistant", "content": ""}))
+            try:
+                while chunk is not None:
+                    if chunk.text:
+                        yield sse(oai.chat_chunk(rid, model_name, {"content": chunk.text}) if chat else
+                                  oai.completion_chunk(rid, model_name, chunk.text))
+                    if chunk.finished:
+                        out = chunk.output
+                    chunk = await gen.__anext__()
+            except StopAsyncIteration:
+                pass
+            except APIError as e:  # after the 200 header: the error goes in the stream
+                metrics.requests.labels(endpoint, str(e.status)).inc()
+                yield sse(e.body())
+                return
+            finally:
+                await gen.aclose()
+            reason = oai.finish_reason(out)
+            yield sse(oai.chat_chunk(rid, model_name, {}, reason) if chat else
+                      oai.completion_chunk(rid, model_name, "", reason))
+            if include_usage:
+                final = oai.chat_chunk(rid, model_name, {}) if chat else oai.completion_chunk(rid, model_name, "")
+                final.update(choices=[], usage=oai.usage(out), swiftspec=oai.extension(out))
+                yield sse(final)
+            yield sse("[DONE]")
+            metrics.record(out)
+            metrics.requests.labels(endpoint, "200").inc()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _body(request)
+        params, stream, include_usage = oai.sampling_params(body, host.engine.config.max_model_len)
+        return await _serve(request, "/v1/chat/completions", oai.chat_messages(body), True, params, stream,
+                            include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _body(request)
+        params, stream, include_usage = oai.sampling_params(body, 16)
+        prompt = oai.completion_prompt(body, host.engine.tokenizer)
+        return await _serve(request, "/v1/completions", prompt, False, params, stream, include_usage)
+
+    return app
+
+
+def serve(make_engine: Callable[[], object], model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_queue: int = 16, api_key: str | None = None) -> None:
+    """Start the engine and serve it until SIGINT/SIGTERM: uvicorn shuts down gracefully (requests
+    in flight finish), the application's shutdown closes the engine (:meth:`Engine.close` stops
+    every worker), then uvicorn re-raises the signal, so the exit status is the signal's."""
+    import uvicorn
+
+    engine_host = EngineHost(make_engine, max_queue)
+    try:
+        uvicorn.run(build_app(engine_host, model_name, api_key), host=host, port=port, log_level="info")
+    finally:
+        engine_host.engine.close()

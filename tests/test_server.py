@@ -1,0 +1,227 @@
+"""`swiftspec serve` against a live server on 127.0.0.1, through the official `openai` client
+(tiny models): chat and completions, streaming equal to non-streaming with stop strings, FIM,
+arrival order, a client that disconnects, bad input, the queue limit, a dead worker, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from swiftspec import Engine, SamplingParams  # noqa: E402
+from swiftspec.openai_protocol import FIM_TOKENS, APIError  # noqa: E402
+from swiftspec.server import EngineHost, build_app  # noqa: E402
+
+KEY = "sk-test"
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fim_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with Qwen2.5-Coder's FIM tokens added to its tokenizer (ids 98-100 < vocab)."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("fim") / "tiny-fim"
+    shutil.copytree(tiny_dir, d)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    tok.add_special_tokens({"additional_special_tokens": list(FIM_TOKENS)})
+    tok.save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(fim_dir):
+    import uvicorn
+
+    def make():  # the FIM tokenizer on both sides: speculative decoding needs one vocabulary
+        return Engine(fim_dir, fim_dir, mode="serial", dtype="float32", target_cores=[0], draft_cores=[0])
+
+    host = EngineHost(make, max_queue=3)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(host, MODEL, KEY), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    yield host, client, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    host.engine.close()
+
+
+def _chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The quick brown fox"}],
+                                          temperature=0, max_tokens=20, **kw)
+
+
+def test_chat_streaming_equals_non_streaming_with_stop(server):
+    host, client, _ = server
+    full = _chat(client)
+    text = full.choices[0].message.content
+    assert 0 < full.usage.completion_tokens <= 20 and full.choices[0].finish_reason in ("length", "stop")
+    assert len(text) >= 8, "the tiny model's answer is long enough for a stop string inside it"
+    assert full.model_extra["swiftspec"]["compression_ratio"] >= 1.0
+    for stop in (None, text[6:8]):
+        kw = {"stop": [stop]} if stop else {}
+        plain = _chat(client, **kw).choices[0].message.content
+        chunks = list(_chat(client, stream=True, stream_options={"include_usage": True}, **kw))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == plain
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        if stop:
+            assert plain == text[:text.find(stop)] and chunks[-2].choices[0].finish_reason == "stop"
+
+
+def test_completions_with_and_without_suffix(server):
+    host, client, _ = server
+    out = client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=12)
+    ref = host.engine.generate("abc", SamplingParams(max_tokens=12))
+    assert out.choices[0].text == ref.text
+    fim = client.completions.create(model=MODEL, prompt="def f(", suffix="return x", temperature=0, max_tokens=8)
+    fim_prompt = "<|fim_prefix|>def f(<|fim_suffix|>return x<|fim_middle|>"
+    assert fim.choices[0].text == host.engine.generate(fim_prompt, SamplingParams(max_tokens=8)).text
+    ids = host.engine.encode(fim_prompt)
+    fim_ids = host.engine.tokenizer.convert_tokens_to_ids(list(FIM_TOKENS))
+    assert fim.usage.prompt_tokens == len(ids) and [t for t in ids if t in fim_ids] == fim_ids  # one token each
+
+
+def test_concurrent_requests_are_answered_in_arrival_order(server):
+    _, client, _ = server
+    done, lock = [], threading.Lock()
+
+    def one(i):
+        _chat(client)
+        with lock:
+            done.append(i)
+
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.02)  # arrival order, while the first still decodes
+    for t in threads:
+        t.join()
+    assert done == [0, 1, 2, 3]
+
+
+def test_disconnect_mid_stream_frees_the_engine(server):
+    import httpx
+
+    host, client, url = server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 2000,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first event, then the client goes away
+    ref = _chat(client).choices[0].message.content  # runs next, on a clean engine
+    assert ref == host.engine.generate([{"role": "user", "content": "The quick brown fox"}],
+                                       SamplingParams(max_tokens=20)).text
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ("{not json", 400, "not valid JSON"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 400, "does not exist"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n = 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),
+])
+def test_bad_input_gets_an_openai_error(server, body, status, match):
+    import httpx
+
+    _, client, url = server
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{url}/v1/chat/completions", content=data, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status and match in r.json()["error"]["message"]
+    assert _chat(client).choices[0].message.content  # the server still serves
+
+
+def test_api_key_health_models_metrics(server):
+    import httpx
+
+    _, client, url = server
+    assert httpx.post(f"{url}/v1/chat/completions", json={"messages": []}).status_code == 401
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list()] == [MODEL]
+    text = httpx.get(f"{url}/metrics").text
+    assert 'swiftspec_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert "swiftspec_ttft_seconds_bucket" in text and "swiftspec_queue_depth" in text
+
+
+def test_queue_limit_gives_429():
+    host = EngineHost.__new__(EngineHost)  # admission only: no engine needed
+    from swiftspec.server import Metrics
+
+    host.max_queue, host.metrics, host._waiting = 2, Metrics(), 0
+    host._lock = asyncio.Lock()
+
+    async def scenario():
+        async def wait_turn():
+            async with host.slot():
+                pass
+
+        await host._lock.acquire()  # a request decoding
+        waiters = [asyncio.create_task(wait_turn()) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as e:
+            async with host.slot():
+                pass
+        assert e.value.status == 429
+        host._lock.release()
+        await asyncio.gather(*waiters)
+
+    asyncio.run(scenario())
+
+
+def test_dead_worker_gives_503_and_the_engine_restarts(server):
+    host, client, _ = server
+    old = host.engine
+    os.kill(old.pids[0], signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as e:
+        _chat(client)
+    assert e.value.status_code == 503
+    assert host.engine is not old and _chat(client).choices[0].message.content
+
+
+def test_sigterm_shuts_down_without_leftovers(tiny_dir, tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "swiftspec", "serve", "--target", str(tiny_dir), "--mode",
+                             "autoregressive", "--dtype", "float32", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import httpx
+
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.3)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert children  # the engine's workers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
+    assert "Application shutdown complete" in proc.stdout.read()
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
