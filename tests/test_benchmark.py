@@ -200,3 +200,23 @@ def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
     assert m.compression_ratio > 2.0
     long = [(7 * i + 3) % 90 for i in range(600)]  # past llama.cpp's n_batch (512): two prompt batches
     assert spec.generate(long, 8)[0] == plain.generate(long, 8)[0]
+
+
+def test_every_committed_record_renders_and_the_readme_quotes_run13():
+    """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
+    the README's run-13 numbers are those of its record."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("tables", root / "bench" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    files = sorted((root / "bench" / "results").glob("*.json"))
+    assert len(files) >= 10
+    out = {f.name: tables.render(json.loads(f.read_text())) for f in files}
+    run13 = next(line for line in out["run13-avx2-6x5.json"].splitlines() if line.startswith("| autoregressive"))
+    readme = (root / "README.md").read_text()
+    assert run13.split("|")[8].strip() == "13.44" and "| 13.44 | 1.00x |" in readme
+    with pytest.raises(ValueError):
+        tables.render({"something": "else"})

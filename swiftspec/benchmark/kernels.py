@@ -408,14 +408,18 @@ def table(cases: list[Case]) -> str:
     """A markdown table in the layout of the paper's Table 7: per case, our median per-call time
     (and the weight bytes it streams per second, for weight-streaming ops), each baseline's, and
     the speedup over it."""
+    return summary_table([c.summary() for c in cases])
+
+
+def summary_table(summaries: list[dict]) -> str:
+    """:func:`table` from :meth:`Case.summary` records (as the ``--json`` file stores them)."""
     lines = ["| op | shape | dtype | threads | ours (us) | baseline | baseline (us) | speedup |",
              "|---|---|---|---|---|---|---|---|"]
-    for c in cases:
-        s = c.summary()
+    for s in summaries:
         o = s["ours"]
         gbs = f" ({s['ours_gb_s']:.1f} GB/s)" if "ours_gb_s" in s else ""
         for k, b in s["baselines"].items():
-            lines.append(f"| {c.op} | {c.shape} | {c.dtype} | {c.threads} | {o['median_s'] * 1e6:.1f} "
+            lines.append(f"| {s['op']} | {s['shape']} | {s['dtype']} | {s['threads']} | {o['median_s'] * 1e6:.1f} "
                          f"[{o['p10_s'] * 1e6:.0f}-{o['p90_s'] * 1e6:.0f}]{gbs} | {k} | {b['median_s'] * 1e6:.1f} "
                          f"[{b['p10_s'] * 1e6:.0f}-{b['p90_s'] * 1e6:.0f}] | {s['speedup'][k]:.2f}x |")
     return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Markdown tables of bench/RESULTS.md, generated from the committed records in bench/results/.
+
+Every record kind the benchmarks write is recognised by its shape:
+
+* ``swiftspec bench --json`` records (a list of per-prompt dicts): the end-to-end table and the
+  compression ratios (``swiftspec.benchmark.e2e.markdown``);
+* ``bench/kernels.py --json``: the kernel table (``swiftspec.benchmark.kernels.summary_table``);
+* ``bench/native_forward.py --out``: forward time against the machine's read bandwidth;
+* ``bench/accuracy.py --out``: top-1 agreement and mean KL against llama.cpp;
+* ``swiftspec generate --json`` (the README command): one line.
+
+    python bench/tables.py bench/results/run13-avx2-6x5.json [more.json ...]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def render(record) -> str:
+    """The markdown of one record file's content. Raises ValueError for an unknown kind."""
+    from swiftspec.benchmark import e2e, kernels
+
+    if isinstance(record, list) and record and "system" in record[0]:
+        return e2e.markdown(record)
+    if isinstance(record, dict) and "cases" in record:
+        return kernels.summary_table(record["cases"])
+    if isinstance(record, dict) and "bandwidth_gb_s" in record:
+        lines = [f"read bandwidth {record['bandwidth_gb_s']:.1f} GB/s, {record['threads']} threads",
+                 "", "| weights | kernels | rows | ms | weight GB/s | of bandwidth |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['weights']} | {'on' if r['kernels'] else 'off'} | {r['rows']} | {r['ms']:.1f} | "
+                  f"{r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} % |" for r in record["rows"]]
+        return "\n".join(lines)
+    if isinstance(record, dict) and record.get("rows") and "top1_agreement" in record["rows"][0]:
+        lines = ["| weights | kernels | tokens | top-1 agreement with llama.cpp | mean KL, nats |", "|---|---|---|---|---|"]
+        lines += [f"| {r['weights']} | {'on' if r['kernels'] else 'off'} | {r['tokens']} | {r['top1_agreement']:.4f} | "
+                  f"{r['mean_kl_nats']:.2e} |" for r in record["rows"]]
+        return "\n".join(lines)
+    if isinstance(record, dict) and "metrics" in record and "tokens_per_s" in record:
+        m = record["metrics"]
+        return (f"{record['num_tokens']} tokens, {record['tokens_per_s']:.2f} tokens/s decode, TTFT "
+                f"{record['ttft_s']:.2f} s, mode {record['mode']} ({m.get('mode_reason', '')}), kernels {m.get('kernels')}")
+    raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
+                     "bench/accuracy.py or swiftspec generate --json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = argv if argv is not None else sys.argv[1:]
+    if not paths:
+        print(__doc__)
+        return 2
+    for p in paths:
+        print(f"## {p}\n\n{render(json.loads(Path(p).read_text()))}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
