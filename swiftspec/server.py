@@ -149,9 +149,9 @@ class EngineHost:
             if isinstance(error, (ValueError, TypeError)):
                 raise APIError(400, str(error))
             if error is not None:
-                kind = "a worker died" if isinstance(error, (WorkerError, EngineError)) else type(error).__name__
-                raise APIError(503, f"the engine failed ({kind}: {str(error).splitlines()[0] if str(error) else ''}) "
-                                    "and was restarted; retry the request")
+                cause = "a worker died" if isinstance(error, (WorkerError, EngineError)) else type(error).__name__
+                detail = str(error).splitlines()[0] if str(error) else ""
+                raise APIError(503, f"the engine failed ({cause}: {detail}) and was restarted; retry the request")
 
 
 def anyio_shield():

@@ -66,20 +66,18 @@ static void decode(int type, const uint8_t* blk, Decoded& o) {
       o.d = load_f16(blk);
       o.dmin = 0.f;
       o.s_lo[0] = o.s_hi[0] = 1;
-      if (type == kAWQ4) {
-        const int z = blk[2];
-        for (int l = 0; l < 32; ++l) o.q[0][l] = (l < 16 ? (blk[4 + l] & 0xF) : (blk[4 + l - 16] >> 4)) - z;
-      } else if (type == kQ8_0) {
+      if (type == kQ8_0) {
         for (int l = 0; l < 32; ++l) o.q[0][l] = static_cast<int8_t>(blk[2 + l]);
       } else {
-        const bool q5 = type == kQ5_0;
-        const uint8_t* qs = blk + (q5 ? 6 : 2);
+        const bool q5 = type == kQ5_0, awq = type == kAWQ4;
+        const uint8_t* qs = blk + (q5 ? 6 : (awq ? 4 : 2));
+        const int zero = awq ? blk[2] : (q5 ? 16 : 8);  // AWQ4: the block's own zero point
         uint32_t qh = 0;
         if (q5) __builtin_memcpy(&qh, blk + 2, 4);
         for (int l = 0; l < 32; ++l) {
           int v = l < 16 ? (qs[l] & 0xF) : (qs[l - 16] >> 4);
           if (q5) v |= ((qh >> l) & 1) << 4;
-          o.q[0][l] = v - (q5 ? 16 : 8);
+          o.q[0][l] = v - zero;
         }
       }
     }

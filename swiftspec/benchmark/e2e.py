@@ -336,8 +336,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     systems = {}
     records: list[dict] = []
     try:
+        n_ctx = max(len(ids) for _, ids in prompts) + args.max_tokens + 16
         for s in args.systems:
-            n_ctx = max(len(ids) for _, ids in prompts) + args.max_tokens + 16
             systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args, -(-n_ctx // 256) * 256)
         for ds, ids in tqdm(prompts, desc="prompts", file=sys.stderr):
             outs = {}

@@ -10,11 +10,11 @@ to end on calibration prompts and write the chosen configuration as JSON for
 
 Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
 where draft and target take turns on every device; and so is the target alone
-(``autoregressive``), which wins where a verification batch costs more than it saves. The paper's GPUs gain from splitting because a
-group's speed grows slowly with its size; on a few CPU cores the target's speed is about
-proportional to its cores (bench/RESULTS.md: 8-row verification 182 ms on one core, and 233 ms
-while the draft streams its weights on the other), so sharing can win, and the profile says so
-instead of assuming the split. The engine's defaults are kept unless
+(``autoregressive``), which wins where a verification batch costs more than it saves. The paper's
+GPUs gain from splitting because a group's speed grows slowly with its size; on a few CPU cores
+the target's speed is about proportional to its cores (bench/RESULTS.md: 8-row verification 182
+ms on one core, and 233 ms while the draft streams its weights on the other), so sharing can
+win, and the profile says so instead of assuming the split. The engine's defaults are kept unless
 a candidate beats them by more than ``margin`` (run-to-run noise on a shared machine is several
 percent, and a winner by noise does worse than the defaults on prompts the profile did not see),
 both in the sweep and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
@@ -111,8 +111,9 @@ def _measure(engine, prompts, max_tokens) -> dict:
 
 def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prompts: int = 2,
             max_tokens: int = 128, sweep: bool = False, dtype: str = "auto", devices: list[int] | None = None,
-            progress: bool = True, margin: float = 0.05) -> tuple[dict, list[dict]]:
-    """Measure every candidate; return (chosen configuration dict, all candidate rows).
+            progress: bool = True, margin: float = 0.05) -> tuple[dict, list[dict], Path]:
+    """Measure every candidate; return (chosen configuration dict, all candidate rows, the file
+    where the chosen mode is stored for ``mode="auto"``, :func:`swiftspec.machine_profile.save_profile`).
 
     The first candidate is the engine's defaults (default split, ``bs``, ``w``, automatic ``d``);
     see :func:`choose` for how ``margin`` keeps it. A sweep winner other than the defaults is
@@ -188,7 +189,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
                         "t_target_s": best["t_target_s"], "t_draft_s": best["t_draft_s"],
                         "calibration": list(prompts), "num_prompts": num_prompts, "max_tokens": max_tokens,
                         "date": time.strftime("%Y-%m-%d %H:%M")}
-    return out, rows
+    from swiftspec.machine_profile import save_profile
+
+    return out, rows, save_profile(out, target_dir, draft_dir)
 
 
 def table(rows: list[dict]) -> str:
@@ -225,16 +228,12 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
     devices = [int(c) for c in args.cores.split(",")] if args.cores else None
-    best, rows = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,
+    best, rows, stored = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,
                          args.dtype, devices, margin=args.margin)
     print(table(rows))
     tmp = Path(f"{args.output}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(best, indent=1))
     os.replace(tmp, args.output)
-    from swiftspec.loader import resolve_model
-    from swiftspec.machine_profile import save_profile
-
-    stored = save_profile(best, resolve_model(args.target, "target"), resolve_model(args.draft, "draft"))
     cores = (f"target cores {best['target_cores']}, draft cores {best['draft_cores']}" if best["mode"] == "async"
              else f"all cores {best['target_cores']}")
     print(f"\nchosen: {best['mode']}, {cores}, bs={best['bs']} "

@@ -1,8 +1,8 @@
 """Weights kept in a quantized block format (the ``"native"`` weight format).
 
 A linear layer whose checkpoint tensors are blocks with a kernel (GGUF's Q4_0, Q5_0, Q8_0, Q4_K,
-Q5_K, Q6_K as in the file; AWQ int4 repacked into AWQ4 blocks by :mod:`swiftspec.awq`) holds a :class:`GGUFWeight` instead of a float ``weight``: one ``[n_i, row_bytes_i]``
-uint8 parameter per part (q, k and v of a fused projection may have different block types, as
+Q5_K, Q6_K as in the file; AWQ int4 repacked into AWQ4 blocks by :mod:`swiftspec.awq`) holds a
+:class:`GGUFWeight` instead of a float ``weight``: one ``[n_i, row_bytes_i]`` uint8 parameter per part (q, k and v of a fused projection may have different block types, as
 llama.cpp's Q4_K_M mixes Q4_K and Q6_K), each with its own ``weight_loader``. The format is chosen
 when the layer is built (vLLM's ``quant_method``), never by probing a module later. The forward
 is :func:`swiftspec.ops.quant_linear`: the CPU kernel reads the blocks in place

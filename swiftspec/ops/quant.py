@@ -41,12 +41,12 @@ TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
 
 
 def ggml_name(ggml_type: int) -> str:
-    """The name of a block type id (e.g. 12 -> "Q4_K", 200 -> "AWQ4"); ggml's from the ``gguf``
-    library's table."""
+    """The name of a block type id (e.g. 12 -> "Q4_K", 200 -> "AWQ4"): ours for the types with a
+    kernel, else the ``gguf`` library's."""
     from gguf import GGMLQuantizationType
 
-    if int(ggml_type) == AWQ4:
-        return "AWQ4"
+    if int(ggml_type) in GGML_TYPES:
+        return GGML_TYPES[int(ggml_type)][0]
     try:
         return GGMLQuantizationType(int(ggml_type)).name
     except ValueError:
