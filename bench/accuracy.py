@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import torch
@@ -88,8 +87,9 @@ def main() -> None:
               f"mean KL {kl:.2e} nats", flush=True)
         del model
     ops.set_kernels(True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    from swiftspec.machine_profile import cpu_model_name
+
+    cpu = cpu_model_name()
     record = {"command": "python bench/accuracy.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),
               "cpu": cpu, "isa": ops.cpu_dispatch(), "dtype": "float32", "gguf": gguf.name, "rows": rows}
     if args.out:

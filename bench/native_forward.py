@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -68,8 +67,9 @@ def main() -> None:
     from swiftspec.ops.cpu import _cpu_flags
 
     flags = _cpu_flags()
-    model_name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                       if ln.startswith("model name")), platform.processor())
+    from swiftspec.machine_profile import cpu_model_name
+
+    model_name = cpu_model_name()
     rows_out = []
     for weights, kernels in (("native", True), ("native", False), ("float32", True)):
         ops.set_kernels(kernels)

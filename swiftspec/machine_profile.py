@@ -18,17 +18,21 @@ from pathlib import Path
 from swiftspec.model_cache import atomic_write_text, cache_root
 
 
-def machine_id() -> str:
-    """``"<cpu model> x<cores>"`` (plus ``"; <gpu model>"`` when CUDA sees one): what a profile's
-    measurements depend on besides the models."""
-    model = platform.processor() or platform.machine()
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_id() -> str:
+    """``"<cpu model> x<cores>"`` (plus ``"; <gpu model>"`` when CUDA sees one): what a profile's
+    measurements depend on besides the models."""
+    model = cpu_model_name()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out = f"{model} x{cores}"
     try:
