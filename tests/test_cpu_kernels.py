@@ -200,14 +200,16 @@ def test_tree_attention_split_fully_masked(ops, dtype):
 @pytest.mark.parametrize("prefix", [37, 300, 700])
 def test_tree_attention_batch_invariant(ops, dtype, prefix):
     """A row's output is bit-identical alone or in batches of 2/4/8/16 (any order), whatever the
-    mask width S and the thread count: a verified tree node equals the same token decoded alone.
-    Run for every inner kernel compiled in this build."""
+    mask width S and the thread count (every key at the position of its slot, as in decode steps;
+    tree positions with compaction are the next test). Run for every inner kernel compiled in this
+    build."""
     n, hq, hk, d = 16, 12, 2, 128
     C = prefix + n + 40
     g = torch.Generator().manual_seed(prefix)
     mask = _tree_mask(n, prefix + n, prefix, g)
     args = _attn_case(n, hq, hk, d, prefix + n, C, dtype, mask, seed=prefix, drop_slots=False)
-    q, k_new, v_new, k_cache, v_cache, slots, positions, cos, sin, _, scale = args
+    q, k_new, v_new, k_cache, v_cache, slots, _, cos, sin, _, scale = args
+    positions = slots.clone()
     old = torch.get_num_threads()
     try:
         for impl in ["auto", *ops._tree_attention_impls()]:
@@ -224,6 +226,50 @@ def test_tree_attention_batch_invariant(ops, dtype, prefix):
                     got = ops._tree_attention_impl(q[rows], k_new[rows], v_new[rows], kc, vc, slots[rows],
                                                    positions[rows], cos, sin, m, scale, impl)
                     assert torch.equal(got, full[rows]), f"{impl}: rows {rows.tolist()} S={S} threads={threads}"
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [250, 254, 509])
+def test_tree_attention_node_equals_compacted_decode(ops, dtype, prefix):
+    """The lossless-verification property: a tree node verified at slot L + i, position L + depth,
+    is bit-identical to the same token decoded alone after its ancestors' keys are compacted to
+    slots L .. L + depth - 1 (the target's re-root). Prefixes end just below a 256-key split
+    boundary, so tree slots and compacted slots of one node fall on different sides of it."""
+    from swiftspec.target_state import ancestor_mask
+
+    n, hq, hk, d = 12, 12, 2, 64
+    g = torch.Generator().manual_seed(prefix)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    C = prefix + 2 * n
+    args = _attn_case(n, hq, hk, d, prefix + n, C, dtype, ancestor_mask(parents, prefix), seed=prefix,
+                      drop_slots=False)
+    q, k_new, v_new, k_cache, v_cache, _, _, cos, sin, mask, scale = args
+    slots, positions = torch.arange(prefix, prefix + n), torch.tensor(depth) + prefix
+    old = torch.get_num_threads()
+    try:
+        for impl in ["auto", *ops._tree_attention_impls()]:
+            kc, vc = k_cache.clone(), v_cache.clone()
+            tree = ops._tree_attention_impl(q, k_new, v_new, kc, vc, slots, positions, cos, sin, mask, scale, impl)
+            for node in range(n):
+                path = []
+                a = parents[node]
+                while a >= 0:
+                    path.insert(0, a)
+                    a = parents[a]
+                k1, v1 = kc.clone(), vc.clone()
+                k1[:, prefix:prefix + len(path)] = kc[:, [prefix + a for a in path]]
+                v1[:, prefix:prefix + len(path)] = vc[:, [prefix + a for a in path]]
+                t = prefix + depth[node]
+                torch.set_num_threads(1 + node % 2)
+                one = ops._tree_attention_impl(q[node:node + 1], k_new[node:node + 1], v_new[node:node + 1], k1, v1,
+                                               torch.tensor([t]), torch.tensor([t]), cos, sin,
+                                               torch.ones(1, t + 1, dtype=torch.bool), scale, impl)
+                assert torch.equal(one[0], tree[node]), f"{impl}: node {node} (depth {depth[node]})"
     finally:
         torch.set_num_threads(old)
 

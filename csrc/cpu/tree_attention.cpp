@@ -2,20 +2,30 @@
 // 3.3, "Masked attention"): RoPE, KV-cache write and masked attention of a few query tokens over
 // prefix + tree cache with a non-square mask, in one call.
 //
-// Work split (split-KV, as FlashDecoding / FlashInfer): the keys [0, S) are cut into splits of
-// kSplit keys at fixed positions (split s holds slots [s * kSplit, (s + 1) * kSplit)); one task per
-// (kv head, query tile, split) computes the partial softmax state of all Hq/Hk query heads of its
-// group for the queries of its tile: running max m, sum l and the unnormalized accumulator, in
-// fp32. Partials are merged with the log-sum-exp rule of FlashInfer's merge_state, in split order,
-// by the last task of each (kv head, tile) to finish (an atomic arrival counter), the CPU analogue
-// of the paper's last-arriving-block merge: no second pass, no barrier.
+// Work split (split-KV, as FlashDecoding / FlashInfer): the keys are cut into splits by their
+// token position, at fixed boundaries (split s holds the keys at positions [s * kSplit,
+// (s + 1) * kSplit)); one task per (kv head, query tile, split) computes the partial softmax state
+// of all Hq/Hk query heads of its group for the queries of its tile: running max m, sum l and the
+// unnormalized accumulator, in fp32. Partials are merged with the log-sum-exp rule of FlashInfer's
+// merge_state, in split order, by the last task of each (kv head, tile) to finish (an atomic
+// arrival counter), the CPU analogue of the paper's last-arriving-block merge: no second pass, no
+// barrier.
 //
-// Batch invariance: a row's output depends only on its own query, the keys it sees and their
-// values, never on the other rows, S or the thread count. Split boundaries do not move with S or
-// the threads; every row's scores, exps and sums are computed lane-wise (a row is a lane) in key
+// Key positions: a key written by this call (slots[i]) is at positions[i]; any other cache slot j
+// is taken to be at position j (the prefix cache invariant: verified tokens fill slots [0, L) in
+// order). Within a split, keys run by position, then slot. This is what makes verification lossless
+// bit for bit: a tree node at depth t is verified at slot L + i but position L + t, and after
+// compaction its key sits at slot L + t; splitting by slot would put a key on either side of a
+// split boundary in the tree and in the later one-token decode, and the two merges would round
+// differently. A row sees one key per position (its ancestors have distinct depths), so its keys
+// run in the same order in both.
+//
+// Batch invariance: a row's output depends only on its own query, the keys it sees (their values and
+// positions), never on the other rows, S or the thread count. Split boundaries do not move with S
+// or the threads; every row's scores, exps and sums are computed lane-wise (a row is a lane) in key
 // order; keys a row does not see contribute exact zeros (p = 0); splits it does not see are skipped
 // by the merge, and a merge of one seen split is exact (weight e^0 = 1). So a tree node verified in
-// a batch of 8 and the same token decoded alone get bit-identical outputs.
+// a batch of 8 and the same token decoded alone after compaction get bit-identical outputs.
 //
 // Inside a task the queries x heads of the group are the rows of a small GEMM. Row r = g * W + q
 // (head g of the group, query q of the tile, W = tile width rounded up to a power of two), so a
@@ -42,6 +52,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -57,7 +68,7 @@
 namespace swiftspec {
 namespace {
 
-constexpr int64_t kSplit = 256;      // keys per split, at fixed positions (scores stay in L1/L2)
+constexpr int64_t kSplit = 256;      // key positions per split, fixed boundaries (scores stay in L1/L2)
 constexpr int64_t kMaxTileQ = 16;    // queries per tile: one 16-bit query mask per key
 constexpr int64_t kKeyPad = 8;       // score blocks run whole; the active-key list is padded
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -125,6 +136,7 @@ struct Plan {
   int64_t Rp;      // R rounded up to the vector width
   int64_t Dp;      // D rounded up to the vector width
   int64_t nsplit;
+  int64_t maxk;    // most keys in one split (kSplit, or more when this call's keys crowd a split)
   uint16_t lane_rep;  // query mask * lane_rep = lane mask of a row vector
 };
 
@@ -139,9 +151,56 @@ Plan make_plan(const Problem& p) {
   pl.R = p.G * pl.W;
   pl.Rp = round_up(pl.R, 16);
   pl.Dp = round_up(p.D, 16);
-  // Fixed boundaries, never chosen from S or the thread count (batch invariance, see above).
-  pl.nsplit = ceil_div(p.S, kSplit);
+  pl.nsplit = 0;  // set by order_keys
+  pl.maxk = kSplit;
   return pl;
+}
+
+// The keys [0, S) grouped by split (see "Key positions" above): keys[off[s] .. off[s + 1]) are the
+// slots of split s by (position, slot). Boundaries are fixed positions, never chosen from S or the
+// thread count. O(S + n log n).
+struct KeyOrder {
+  std::vector<int32_t> keys;
+  std::vector<int64_t> off;
+};
+
+KeyOrder order_keys(const Problem& p, Plan& pl) {
+  // this call's keys as (position, slot), by position then slot (a slot written twice: the last)
+  std::vector<int64_t> call_pos(p.S, -1);
+  for (int64_t i = 0; i < p.n; ++i)
+    if (p.slots[i] >= 0 && p.slots[i] < p.S) call_pos[p.slots[i]] = p.positions[i];
+  std::vector<std::pair<int64_t, int32_t>> call;
+  for (int64_t j = 0; j < p.S; ++j)
+    if (call_pos[j] >= 0) call.emplace_back(call_pos[j], static_cast<int32_t>(j));
+  std::stable_sort(call.begin(), call.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+
+  int64_t nsplit = ceil_div(p.S, kSplit);
+  if (!call.empty()) nsplit = std::max<int64_t>(nsplit, call.back().first / kSplit + 1);
+  KeyOrder ko;
+  ko.keys.resize(p.S);
+  ko.off.assign(nsplit + 1, 0);
+  pl.maxk = kSplit;
+  int32_t* out = ko.keys.data();
+  int64_t k = 0;
+  size_t c = 0;
+  for (int64_t s = 0; s < nsplit; ++s) {
+    // merge the other slots of [s * kSplit, (s + 1) * kSplit) (position = slot) with this call's
+    // keys at positions in that range, by (position, slot)
+    const int64_t j1 = std::min(p.S, (s + 1) * kSplit);
+    int64_t j = s * kSplit;
+    while (c < call.size() && call[c].first < (s + 1) * kSplit) {
+      const int64_t cp = call[c].first, cs = call[c].second;
+      for (; j < j1 && (j < cp || (j == cp && j < cs)); ++j)
+        if (call_pos[j] < 0) out[k++] = static_cast<int32_t>(j);
+      out[k++] = call[c++].second;
+    }
+    for (; j < j1; ++j)
+      if (call_pos[j] < 0) out[k++] = static_cast<int32_t>(j);
+    ko.off[s + 1] = k;
+    pl.maxk = std::max(pl.maxk, ko.off[s + 1] - ko.off[s]);
+  }
+  pl.nsplit = nsplit;
+  return ko;
 }
 
 // Shared buffers of one call (owned by the calling thread's arena).
@@ -169,7 +228,7 @@ struct TaskBuffers {
 };
 
 size_t task_bytes(const Problem& p, const Plan& pl) {
-  const size_t B = static_cast<size_t>(kSplit), BP = B + kKeyPad;
+  const size_t B = static_cast<size_t>(pl.maxk), BP = B + kKeyPad;
   return Arena::bytes(B, 2) + Arena::bytes(B, 4) + Arena::bytes(B, 2) + Arena::bytes(BP, sizeof(void*)) +
          Arena::bytes(B, sizeof(void*)) + Arena::bytes(B * p.D, 4) + Arena::bytes(B * pl.Dp, 4) +
          Arena::bytes(p.D, 4) + Arena::bytes(BP * pl.Rp, 4) + Arena::bytes(pl.Rp * pl.Dp, 4) +
@@ -177,7 +236,7 @@ size_t task_bytes(const Problem& p, const Plan& pl) {
 }
 
 TaskBuffers take_task_buffers(Arena& a, const Problem& p, const Plan& pl) {
-  const int64_t B = kSplit, BP = B + kKeyPad;
+  const int64_t B = pl.maxk, BP = B + kKeyPad;
   TaskBuffers t{};
   t.qmask = a.take<uint16_t>(B);
   t.act = a.take<int32_t>(B);
@@ -668,7 +727,7 @@ void merge_group(const Problem& p, const Plan& pl, const CallBuffers& cb, int64_
 }
 
 // Stage 2: one task per (kv head, tile, split).
-void stage_attention(const Problem& p, const Plan& pl, const CallBuffers& cb, Impl impl) {
+void stage_attention(const Problem& p, const Plan& pl, const KeyOrder& ko, const CallBuffers& cb, Impl impl) {
   const int64_t ntask = p.Hk * pl.ntile * pl.nsplit;
   const size_t bytes = task_bytes(p, pl);
   at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
@@ -679,18 +738,19 @@ void stage_attention(const Problem& p, const Plan& pl, const CallBuffers& cb, Im
       const int64_t s = task % pl.nsplit, group = task / pl.nsplit;
       const int64_t h = group / pl.ntile, tile = group % pl.ntile;
       const int64_t i0 = tile * pl.qt, nq = std::min(pl.qt, p.n - i0);
-      const int64_t j0 = s * kSplit, nk = std::min(kSplit, p.S - j0);
+      const int32_t* keys = ko.keys.data() + ko.off[s];
+      const int64_t nk = ko.off[s + 1] - ko.off[s];
 
       // Active keys of this split for this tile's queries, with their lane masks.
       std::fill(t.qmask, t.qmask + nk, 0);
       for (int64_t q = 0; q < nq; ++q) {
-        const bool* mrow = p.mask + (i0 + q) * p.S + j0;
-        for (int64_t j = 0; j < nk; ++j) t.qmask[j] |= static_cast<uint16_t>(mrow[j]) << q;
+        const bool* mrow = p.mask + (i0 + q) * p.S;
+        for (int64_t j = 0; j < nk; ++j) t.qmask[j] |= static_cast<uint16_t>(mrow[keys[j]]) << q;
       }
       int64_t Na = 0;
       for (int64_t j = 0; j < nk; ++j) {
         if (t.qmask[j] == 0) continue;
-        t.act[Na] = static_cast<int32_t>(j0 + j);
+        t.act[Na] = keys[j];
         t.lanes[Na] = static_cast<uint16_t>(t.qmask[j] * pl.lane_rep);
         ++Na;
       }
@@ -853,7 +913,8 @@ at::Tensor tree_attention_impl(const at::Tensor& q_in, const at::Tensor& k_new_i
     return out;
   }
 
-  const Plan pl = make_plan(p);
+  Plan pl = make_plan(p);
+  const KeyOrder ko = order_keys(p, pl);
   const int64_t groups = p.Hk * pl.ntile;
   const int64_t nqt = groups * p.D * pl.Rp;
   const int64_t npart = pl.nsplit > 1 ? groups * pl.nsplit * pl.Rp : 0;
@@ -868,7 +929,7 @@ at::Tensor tree_attention_impl(const at::Tensor& q_in, const at::Tensor& k_new_i
   cb.arrived = arrived.get();
 
   stage_rope_and_write(p, pl, cb, impl);
-  stage_attention(p, pl, cb, impl);
+  stage_attention(p, pl, ko, cb, impl);
   return out;
 }
 
@@ -938,8 +999,10 @@ slots, positions [n] int64; cos_table, sin_table [P, D] float32 (rotate-half RoP
 positions); mask [n, S] bool, S <= C (query i sees cache slot j < S iff mask[i, j]); Hq % Hk == 0;
 D even (64 and 128 are the tuned sizes). Softmax in fp32 with `scale` applied to q.k; a fully
 masked row returns zeros. Returns [n, Hq * D] in q's dtype. Releases the GIL; parallel over
-(kv head, query tile, key split of 256 slots at fixed positions) with at::parallel_for. Batch
-invariant: a row's output is bit-identical whatever other rows, S or thread count it runs with.
+(kv head, query tile, key split of 256 positions at fixed boundaries; the key at slots[i] is at
+positions[i], any other slot j at position j) with at::parallel_for. Batch invariant: a row's
+output is bit-identical whatever other rows, S or thread count it runs with, and a tree node equals
+the same token decoded alone after its ancestors' keys are compacted to the slots of their positions.
 Raises RuntimeError on non-CPU tensors, wrong dtypes or shapes, non-contiguous caches, S > C,
 positions outside [0, P) or slots >= C.)doc",
         py::call_guard<py::gil_scoped_release>());
