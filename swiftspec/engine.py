@@ -184,7 +184,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
     nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one bus: a target on GGUF
     blocks (``target_native``) whose quantized kernel has no VNNI (AVX2 or scalar: an 8-row
     verification is compute bound, ~3.4x a one-token step) decodes fastest ``autoregressive``
-    (run 10: 9.84 tokens/s against 8.38 for the best ``serial``); otherwise ``serial`` on all
+    (run 10: 9.84 tokens/s against 8.38 for the best ``serial``; run 15, with draft and target
+    weights interleaved: the best ``serial`` 1.06x, within the noise of its 6 prompts); otherwise ``serial`` on all
     cores beats ``async`` (runs 6/7), since splitting the bus slows the target more than
     overlapping saves. Returns ``(mode, reason)``.
     """

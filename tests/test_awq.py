@@ -81,8 +81,10 @@ def test_engine_logits_equal_the_dequantized_reference(awq_dir, converted):
     _, fp32_dir = converted
     ids = [5, 9, 77, 3, 41, 8, 100, 64]
     native = load_model(fp32_dir, dtype=torch.float32, weights="native")
-    assert native.layers[0].self_attn.qkv_proj.native.types == [quant.AWQ4] * 3
-    assert native.layers[1].mlp.down_proj.native.types == [quant.AWQ4]
+    # AWQ4 blocks, interleaved by 8 rows where the SIMD kernels read that layout
+    qkv, down = native.layers[0].self_attn.qkv_proj.native, native.layers[1].mlp.down_proj.native
+    assert [t & ~quant.X8 for t in qkv.types] == [quant.AWQ4] * 3
+    assert down.types == [quant.AWQ4 | (quant.X8 if ops.quant_x8_enabled() and down.out_features % 8 == 0 else 0)]
     assert native.layers[0].all_native
     on = _prefill(native, ids)
     ops.set_kernels(False)

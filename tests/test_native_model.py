@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from swiftspec import ops
+from swiftspec.ops import quant
 from swiftspec.loader import convert_gguf
 from swiftspec.models.llama import load_model
 from tests.test_loader import make_gguf
@@ -34,9 +35,15 @@ def _prefill(model, ids, kv):
 def test_layers_keep_the_blocks_they_have_kernels_for(gguf_dirs, capsys):
     m = load_model(gguf_dirs[0], dtype=torch.float32, weights="native")
     layer = m.layers[0]
-    assert layer.self_attn.qkv_proj.native.types == [int(Q.Q8_0)] * 3
+    qkv = layer.self_attn.qkv_proj.native
+    # the blocks stay as they are, interleaved by 8 rows where the SIMD kernels read that layout
+    assert [t & ~quant.X8 for t in qkv.types] == [int(Q.Q8_0)] * 3
+    for t, part in zip(qkv.types, qkv.parts):
+        assert bool(t & quant.X8) == (ops.quant_x8_enabled() and part.shape[0] % 8 == 0)
     assert layer.self_attn.qkv_proj.weight is None
-    assert layer.mlp.down_proj.native.types == [int(Q.Q4_K)]
+    down = layer.mlp.down_proj.native
+    x8 = ops.quant_x8_enabled() and down.out_features % 8 == 0
+    assert down.types == [int(Q.Q4_K) | (quant.X8 if x8 else 0)]
     assert layer.mlp.gate_up_proj.native is None  # ffn_up is F16: the fused layer stays float
     assert m.embed_tokens.native is not None and m.lm_head.native is not None
     f = load_model(gguf_dirs[0], dtype=torch.float32, weights="float32")

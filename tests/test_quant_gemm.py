@@ -158,3 +158,88 @@ def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
     for family, compiled in (("skinny_gemm", m._linear_impls()), ("tree_attention", m._tree_attention_impls())):
         assert d[family] != "scalar"
         assert (d[family] == "torch") == (compiled == ["scalar"])
+
+
+X8 = int(Q.Q4_K) | quant.X8  # Q4_K with every 8 rows interleaved (csrc/cpu/quant_blocks.h)
+X8_TYPES = [int(Q.Q4_K), int(Q.Q4_0), int(Q.Q5_0), int(Q.Q8_0), quant.AWQ4]  # the types with the interleaved layout
+
+
+@pytest.mark.parametrize("t", X8_TYPES, ids=_name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16, 21])
+def test_interleaved_equals_plain_bit_for_bit(t, rows):
+    m = _module()
+    k = 768
+    w = random_blocks(t, 48, k, seed=rows)
+    wx = quant.interleave(w, t)
+    assert not torch.equal(wx, w) and torch.equal(quant.deinterleave(wx, t), w)
+    assert torch.equal(quant.dequantize(wx, t | quant.X8), quant.dequantize(w, t))
+    x = torch.randn(rows, k)
+    plain = m.quant_linear(x, [w], [t], "scalar")
+    torch.testing.assert_close(plain, quant.reference_linear(x, [w], [t]), rtol=1e-4, atol=1e-4)
+    for impl in m.quant_impls():  # the SIMD ones read the interleaved bytes with their own offsets
+        assert torch.equal(m.quant_linear(x, [wx], [t | quant.X8], impl), plain), impl
+        assert torch.equal(m.quant_linear(x, [w], [t], impl), plain), impl
+    # fused with plain parts (a Q6_K or Q8_0 v of a fused QKV), and the bf16 activations path
+    tv = int(Q.Q6_K) if quant.block_values(t) == 256 else int(Q.Q8_0)
+    wv = random_blocks(tv, 8, k, seed=7)
+    fused = m.quant_linear(x, [wx, wv], [t | quant.X8, tv])
+    assert torch.equal(fused, torch.cat([plain, m.quant_linear(x, [wv], [tv], "scalar")], dim=1))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(m.quant_linear(xb, [wx], [t | quant.X8]), m.quant_linear(xb, [w], [t], "scalar"))
+
+
+@pytest.mark.parametrize("t", X8_TYPES, ids=_name)
+def test_interleaved_rows_are_batch_and_thread_invariant(t):
+    m = _module()
+    wx = quant.interleave(random_blocks(t, 72, 512), t)
+    tx = t | quant.X8
+    x = torch.randn(16, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([m.quant_linear(x[i:i + 1], [wx], [tx]) for i in range(16)])
+        torch.set_num_threads(max(2, threads))
+        for n in (2, 4, 8, 16):
+            for start in range(0, 16, n):
+                assert torch.equal(m.quant_linear(x[start:start + n], [wx], [tx]), alone[start:start + n])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_interleaved_bad_shapes_raise():
+    m = _module()
+    w = random_blocks(Q.Q4_K, 12, 512)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        quant.interleave(w, int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="no interleaved layout"):
+        quant.interleave(random_blocks(Q.Q6_K, 8, 512), int(Q.Q6_K))
+    wx = quant.interleave(random_blocks(Q.Q4_K, 16, 512), int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        m.quant_linear(torch.randn(2, 512), [wx[:12]], [X8])
+    with pytest.raises(RuntimeError, match="start at a multiple of 8"):
+        m.quant_linear(torch.randn(2, 512), [random_blocks(Q.Q4_K, 4, 512), wx], [int(Q.Q4_K), X8])
+    assert quant.x8_type(int(Q.Q4_K), 12) is None and quant.x8_type(int(Q.Q6_K), 16) is None
+    assert quant.x8_type(int(Q.Q5_K), 16) is None and quant.x8_type(int(Q.Q8_0), 12) is None
+    assert quant.x8_type(int(Q.Q4_K), 16) == X8 and quant.x8_type(quant.AWQ4, 16) == quant.AWQ4 | quant.X8
+
+
+def test_gguf_weight_interleaves_at_load_and_reads_back():
+    from swiftspec.layers.gguf import GGUFWeight
+
+    _module()
+    k = 512
+    q, v = random_blocks(Q.Q4_K, 16, k, 1), random_blocks(Q.Q6_K, 8, k, 2)
+    plain = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q6_K)])
+    inter = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q6_K)], interleave=True)
+    assert inter.types == [X8, int(Q.Q6_K)]  # Q6_K has no interleaved layout
+    for wgt in (plain, inter):
+        wgt.weight_loader(wgt.parts[0], q, "q")
+        wgt.weight_loader(wgt.parts[1], v, "k")
+    x = torch.randn(3, k)
+    assert torch.equal(inter.matmul(x), plain.matmul(x))
+    ids = torch.tensor([0, 9, 15, 3, 9])
+    table = GGUFWeight(k, [16], [int(Q.Q4_K)], interleave=True)
+    table.weight_loader(table.parts[0], q)
+    assert torch.equal(table.rows(ids), quant.dequantize(q, int(Q.Q4_K))[ids])
+    for a, b in zip(inter.dequantized(), plain.dequantized()):
+        assert torch.equal(a, b)

@@ -7,17 +7,26 @@
 // the 32-value types, Q8_K (one fp32 scale per 256 values plus the sums of every 16 values, for
 // the min term) for the 256-value super-block types.
 //
-// Every ISA (scalar, AVX2, AVX-512 VNNI) computes the same integer lanes and applies the same
+// Every ISA (scalar, AVX2, AVX-512 VNNI) computes the same exact integers and applies the same
 // float operations in the same order, so the three give bit-identical results (tested), and a
 // row's result depends only on that row's activations and the weights: never on the other rows,
-// the column range or the thread count (batch invariance). Per column and row:
+// the column range or the thread count (batch invariance). Per column and row, y starts at 0 and
+// takes, block after block, the block's exact int32 sums:
 //
-//   lanes[l] (l = 0..7): int32 sums of 4 consecutive products of each 32-value group, times the
-//                        group's integer sub-scale, summed over the groups of one (super-)block;
-//   mins[l]:             K types: m[2l] * xsum[2l] + m[2l+1] * xsum[2l+1], with m the block's
-//                        mins per 16 values and xsum the sums of 16 activations;
-//   facc[l] = fma(float(lanes[l]), d * da, facc[l]), then fma(-float(mins[l]), dmin * da, facc[l])
-//   y       = hsum8(facc) = ((f0+f4)+(f2+f6)) + ((f1+f5)+(f3+f7)).
+//   32-value types: isum = sum_l (q_l - z) * x_l (z: 8 for Q4_0, 16 for Q5_0, 0 for Q8_0, the
+//                   block's own for AWQ4), then y = fma(float(isum), d * da, y);
+//   K types:        isum = sum_j sc_j * sum_l q * x and msum = sum_i m_i * xsum_i (m: the mins
+//                   per 16 or 32 values; Q6_K: its scales, for the -32 offset), then
+//                   y = fma(float(isum), d * da, y) and y = fma(-float(msum), dmin * da, y)
+//                   (Q6_K: dmin = 32 * d).
+//
+// Q4_K and the 32-value types also come in an 8-row interleaved layout (type | kX8, made once at load by
+// interleave_x8): every group of 8 rows is stored as one run of blocks of 8 * block_bytes bytes
+// that holds exactly the bytes of the 8 rows' blocks, permuted (x8_source) so that one 32-byte
+// load gives 4 consecutive quant bytes of each of the 8 rows. The SIMD kernels then keep one
+// output column per int32 lane, with no horizontal sums; the arithmetic above is unchanged, so
+// both layouts give the same bits (the layout follows llama.cpp's repack.cpp idea of interleaved
+// rows; the byte order is ours).
 //
 // This header has no ATen dependency: the ISA files include it under their own `#pragma GCC
 // target`, so nothing compiled for AVX-512 can leak into code that runs on other CPUs.
@@ -36,10 +45,17 @@ namespace quant {
 enum GgmlType : int { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kAWQ4 = 200 };
 
 // Values per block: 256 for the K (super-block) types, 32 for the others.
-static inline int block_values(int type) { return type >= kQ4_K && type <= kQ6_K ? 256 : 32; }
+static inline int block_values(int type) {
+  type &= 0xFF;
+  return type >= kQ4_K && type <= kQ6_K ? 256 : 32;
+}
 
 // Bytes per block, 0 for a type without a kernel.
 static inline int block_bytes(int type) {
+  if (type & 0x100) {
+    type &= 0xFF;
+    if (type == kQ5_K || type == kQ6_K) return 0;  // no interleaved layout (has_x8)
+  }
   switch (type) {
     case kQ4_0: return 18;
     case kQ5_0: return 22;
@@ -52,7 +68,55 @@ static inline int block_bytes(int type) {
   }
 }
 
-static inline bool is_k_type(int type) { return type >= kQ4_K && type <= kQ6_K; }
+static inline bool is_k_type(int type) { return block_values(type) == 256; }
+
+// The 8-row interleaved layout flag (or-ed into a type id: Q4_K | kX8 = 268). Q4_K and the
+// 32-value types have it. Measured on AVX2 (Zen 3, 2 threads), an interleaved Q6_K kernel was 1.5x slower
+// than the plain one at 1 row on the ffn_down and LM-head shapes (its 6-bit values need two loads
+// and five more operations per register, amortized over no other row) for at most 1.9x at 8
+// rows, so Q6_K (and Q5_K) stay plain.
+constexpr int kX8 = 0x100;
+static inline bool is_x8(int type) { return (type & kX8) != 0; }
+static inline int base_type(int type) { return type & ~kX8; }
+static inline bool has_x8(int base) { return base != kQ5_K && base != kQ6_K && block_bytes(base) > 0; }
+
+// Interleaved layout of one block of a group of 8 rows (8 * bb bytes): byte i comes from byte
+// `off` of row `c`'s plain block, returned as c * bb + off (-1 for a type without the layout).
+// 32-byte "registers" hold 4 bytes of each row: bytes 4c..4c+3 are row c's.
+//   Q4_K (1152): [0,16) d of rows 0-7 (fp16) | [16,32) dmin | [32,128) the scale bytes as 3
+//     registers of 32-bit words (word w of row c: scale bytes 4w..4w+3) | [128,1152) qs as 32
+//     registers, register 8 * cc + s = qs[32 cc + 4 s .. +3] (low nibbles: values 64 cc + 4 s + t
+//     of sub-block 2 cc, high nibbles: sub-block 2 cc + 1).
+//   Q4_0 (144): [0,16) d | [16,144) qs as 4 registers, register s = qs[4 s .. 4 s + 3] (low
+//     nibbles: values 4 s + t, high nibbles: values 16 + 4 s + t).
+//   AWQ4 (160): [0,16) d | [16,24) the zeros z of rows 0-7 | [24,32) their reserved bytes |
+//     [32,160) qs as Q4_0's.
+//   Q5_0 (176): [0,16) d | [16,48) qh, one register (row c's 4 bytes at 4c) | [48,176) qs as Q4_0's.
+//   Q8_0 (272): [0,16) d | [16,272) qs as 8 registers, register s = qs[4 s .. 4 s + 3] (values
+//     4 s + t).
+static inline int x8_source(int base, int i) {
+  if (base == kQ4_K) {
+    constexpr int bb = 144;
+    if (i < 32) return (i % 16) / 2 * bb + (i < 16 ? 0 : 2) + i % 2;
+    if (i < 128) {
+      const int r = (i - 32) % 32, w = (i - 32) / 32;
+      return r / 4 * bb + 4 + 4 * w + r % 4;
+    }
+    const int reg = (i - 128) / 32, r = (i - 128) % 32;
+    return r / 4 * bb + 16 + 32 * (reg / 8) + 4 * (reg % 8) + r % 4;
+  }
+  if (base == kQ4_0 || base == kQ5_0 || base == kQ8_0 || base == kAWQ4) {
+    const int bb = block_bytes(base);
+    const int head = base == kAWQ4 || base == kQ5_0 ? (base == kQ5_0 ? 48 : 32) : 16;  // before qs
+    const int qs = base == kAWQ4 ? 4 : (base == kQ5_0 ? 6 : 2);                       // qs in a plain block
+    if (i < 16) return i / 2 * bb + i % 2;
+    if (i < head && base == kAWQ4) return (i % 8) * bb + (i < 24 ? 2 : 3);
+    if (i < head) return (i - 16) / 4 * bb + 2 + (i - 16) % 4;  // Q5_0's qh
+    const int reg = (i - head) / 32, r = (i - head) % 32;
+    return r / 4 * bb + qs + 4 * reg + r % 4;
+  }
+  return -1;
+}
 
 // IEEE half -> float (exact), without F16C so the scalar path runs anywhere.
 static inline float f16_to_f32(uint16_t h) {
@@ -100,8 +164,8 @@ static inline void k4_scale_min(const uint8_t* q, int j, int* sc, int* mn) {
 }
 
 // One call's operands. y[m, n] = sum_k dequant(w)[n, k] * x[m, k] for m < M, with x given as
-// int8 values xq [M, K], their block scales xd [M, K / QK] (QK = block_values(type)) and, for the
-// K types, the sums of every 16 values xs [M, K / 16].
+// int8 values xq [M, K], their block scales xd [M, K / QK] (QK = block_values(type)), the sums of
+// every 32 values xs32 [M, K / 32] and, for the K types, of every 16 values xs [M, K / 16].
 struct Problem {
   int type = 0;
   int64_t M = 0, K = 0;
@@ -110,6 +174,7 @@ struct Problem {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const int16_t* xs = nullptr;
+  const int16_t* xs32 = nullptr;
 };
 
 // Columns [n0, n1) for all M rows: out[m * ldo + (n - n0)] (fp32). One per ISA; the caller picks

@@ -73,9 +73,9 @@ GemmFn kernel(const std::string& name) {
   return gemm_scalar;
 }
 
-// Activations of one format: int8 values, a scale per qk values and (qk = 256) sums per 16.
+// Activations of one format: int8 values, a scale per qk values, sums per 32 and (qk = 256) per 16.
 struct QuantX {
-  at::Tensor xq, xd, xs;
+  at::Tensor xq, xd, xs, xs32;
 };
 
 // Row-wise: d = max|x| / 127 over each block of qk values, q = round-half-even(x * (1 / d)), 0 for
@@ -87,10 +87,12 @@ QuantX quantize(const at::Tensor& x, int qk) {
   o.xq = at::empty({M, K}, x.options().dtype(at::kChar));
   o.xd = at::empty({M, nb}, x.options().dtype(at::kFloat));
   o.xs = at::empty({M, qk == 256 ? K / 16 : 0}, x.options().dtype(at::kShort));
+  o.xs32 = at::empty({M, K / 32}, x.options().dtype(at::kShort));
   const float* src = xf.data_ptr<float>();
   int8_t* q = o.xq.data_ptr<int8_t>();
   float* d = o.xd.data_ptr<float>();
   int16_t* s = o.xs.data_ptr<int16_t>();
+  int16_t* s32 = o.xs32.data_ptr<int16_t>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = src + m * K + b * qk;
@@ -101,6 +103,11 @@ QuantX quantize(const at::Tensor& x, int qk) {
       d[m * nb + b] = db;
       int8_t* qb = q + m * K + b * qk;
       for (int i = 0; i < qk; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+      for (int j = 0; j < qk / 32; ++j) {
+        int sum32 = 0;
+        for (int i = 0; i < 32; ++i) sum32 += qb[32 * j + i];
+        s32[m * (K / 32) + b * (qk / 32) + j] = static_cast<int16_t>(sum32);
+      }
       if (qk == 256) {
         for (int j = 0; j < 16; ++j) {
           int sum = 0;
@@ -146,6 +153,9 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
                 "quant_linear: weight part ", i, " must be a [N, row_bytes] uint8 CPU tensor with contiguous rows");
     TORCH_CHECK(w.size(1) == K / qk * bb, "quant_linear: weight part ", i, " has ", w.size(1),
                 " bytes per row, expected ", K / qk * bb, " for K = ", K, " and ggml type ", t);
+    TORCH_CHECK(!is_x8(t) || (w.size(0) % 8 == 0 && w.is_contiguous()),
+                "quant_linear: interleaved weight part ", i, " must be contiguous with a multiple of 8 rows, got ",
+                w.sizes());
     const int f = is_k_type(t) ? 1 : 0;
     if (!have[f]) {
       qx[f] = quantize(x, qk);
@@ -160,19 +170,58 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     p.xq = qx[f].xq.data_ptr<int8_t>();
     p.xd = qx[f].xd.data_ptr<float>();
     p.xs = f ? qx[f].xs.data_ptr<int16_t>() : nullptr;
+    p.xs32 = qx[f].xs32.data_ptr<int16_t>();
+    TORCH_CHECK(!is_x8(t) || col0[i] % 8 == 0, "quant_linear: interleaved weight part ", i,
+                " must start at a multiple of 8 output columns, starts at ", col0[i]);
     col0[i + 1] = col0[i] + w.size(0);
   }
   const int64_t N = col0.back();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  // threads take whole groups of 8 columns (an interleaved part starts at a multiple of 8)
+  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t gbegin, int64_t gend) {
+    const int64_t begin = gbegin * 8, end = std::min(gend * 8, N);
     for (size_t i = 0; i < parts.size(); ++i) {
       const int64_t lo = std::max(begin, col0[i]), hi = std::min(end, col0[i + 1]);
       if (lo < hi) fn(parts[i], lo - col0[i], hi - col0[i], o + lo, N);
     }
   });
   return out;
+}
+
+// [N, row_bytes] plain blocks <-> the 8-row interleaved layout of x8_type (quant_blocks.h).
+at::Tensor interleave(const at::Tensor& w, int64_t x8_type, bool to_x8) {
+  const int t = static_cast<int>(x8_type);
+  TORCH_CHECK(is_x8(t) && has_x8(base_type(t)), "quant_interleave: no interleaved layout for type ", x8_type);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.size(0) % 8 == 0,
+              "quant_interleave: w must be a [N, row_bytes] uint8 CPU tensor with N a multiple of 8, got ", w.sizes());
+  const int bb = block_bytes(t);
+  TORCH_CHECK(w.size(1) % bb == 0, "quant_interleave: ", w.size(1), " bytes per row is not whole ", bb, "-byte blocks");
+  const at::Tensor src = w.contiguous();
+  at::Tensor dst = at::empty(src.sizes(), src.options());
+  const int64_t nb = w.size(1) / bb, gbytes = 8 * w.size(1);
+  std::vector<int> map(8 * bb);
+  for (int i = 0; i < 8 * bb; ++i) map[i] = x8_source(base_type(t), i);
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  uint8_t* o = dst.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  at::parallel_for(0, w.size(0) / 8, 64, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* from = in + g * gbytes;
+      uint8_t* to = o + g * gbytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int i = 0; i < 8 * bb; ++i) {
+          const int64_t plain = map[i] / bb * row_bytes + b * bb + map[i] % bb, x8 = b * 8 * bb + i;
+          if (to_x8)
+            to[x8] = from[plain];
+          else
+            to[plain] = from[x8];
+        }
+      }
+    }
+  });
+  return dst;
 }
 
 }  // namespace
@@ -190,6 +239,11 @@ void register_quant_gemm(pybind11::module_& m) {
         "W_i [N_i, row_bytes] uint8 of ggml types types[i]; impl: auto, scalar, avx2, avx512_vnni");
   m.def("quant_activations", &quant::quantize_activations, pybind11::arg("x"), pybind11::arg("type"),
         "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them");
+  m.def("quant_interleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, true); },
+        pybind11::arg("w"), pybind11::arg("x8_type"),
+        "[N, row_bytes] uint8 plain blocks -> the same bytes in the 8-row interleaved layout of x8_type (N % 8 == 0)");
+  m.def("quant_deinterleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, false); },
+        pybind11::arg("w"), pybind11::arg("x8_type"), "the inverse of quant_interleave");
   m.def("quant_impls", [] { return quant::impls(); }, "the quantized-GEMM kernels this CPU runs, fastest first");
 }
 

@@ -1,7 +1,7 @@
 // Portable scalar kernel of the quantized skinny GEMM (quant_blocks.h): the reference the SIMD
-// kernels must match bit for bit, and the path for CPUs without AVX2. It forms the same eight
-// int32 lanes as a 256-bit register would (lane l holds products 4l..4l+3 of each 32-value group)
-// and applies the same float operations in the same order.
+// kernels must match bit for bit, and the path for CPUs without AVX2. It forms the same exact
+// integers per block and applies the same float operations in the same order. The 8-row
+// interleaved layout is read by gathering a row's plain block back (x8_source).
 #include "quant_blocks.h"
 
 namespace swiftspec {
@@ -84,55 +84,69 @@ static void decode(int type, const uint8_t* blk, Decoded& o) {
   }
 }
 
-static float hsum8(const float f[8]) {
-  const float a = f[0] + f[4], b = f[1] + f[5], c = f[2] + f[6], e = f[3] + f[7];
-  return (a + c) + (b + e);
+// Where row c's plain block byte `off` lies in an interleaved group block of `base` blocks:
+// inverse of x8_source, c * bb + off -> index.
+static const int* x8_inverse(int base) {
+  static constexpr int kTypes[] = {kQ4_0, kQ5_0, kQ8_0, kQ4_K, kAWQ4};
+  static int tables[5][8 * 256];
+  static const bool ready = [] {
+    for (int k = 0; k < 5; ++k)
+      for (int i = 0; i < 8 * block_bytes(kTypes[k]); ++i) tables[k][x8_source(kTypes[k], i)] = i;
+    return true;
+  }();
+  (void)ready;
+  for (int k = 0; k < 5; ++k)
+    if (kTypes[k] == base) return tables[k];
+  return nullptr;
 }
 
 }  // namespace
 
 void gemm_scalar(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  const int qk = block_values(p.type);
-  const int bb = block_bytes(p.type);
+  const int base = base_type(p.type);
+  const int qk = block_values(base);
+  const int bb = block_bytes(base);
   const int64_t nb = p.K / qk;
-  const bool ktype = is_k_type(p.type);
+  const bool ktype = is_k_type(base);
+  const int* inv = is_x8(p.type) ? x8_inverse(base) : nullptr;
   Decoded dec;
+  uint8_t plain[256];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = p.w + n * p.row_bytes;
-    // accumulators of every row, kept across the blocks of this column
-    float facc[16][8];
+    // the row's blocks: in place, or gathered from its 8-row group
+    const uint8_t* wrow = p.w + (inv != nullptr ? (n / 8) * 8 : n) * p.row_bytes;
+    const int c = static_cast<int>(n % 8);
+    // every row's value, kept across the blocks of this column
+    float y[16];
     for (int64_t m0 = 0; m0 < p.M; m0 += 16) {
       const int64_t mr = p.M - m0 < 16 ? p.M - m0 : 16;
-      for (int64_t i = 0; i < mr; ++i) {
-        for (int l = 0; l < 8; ++l) facc[i][l] = 0.f;
-      }
+      for (int64_t i = 0; i < mr; ++i) y[i] = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        decode(p.type, wrow + b * bb, dec);
+        const uint8_t* blk = wrow + b * bb * (inv != nullptr ? 8 : 1);
+        if (inv != nullptr) {
+          for (int off = 0; off < bb; ++off) plain[off] = blk[inv[c * bb + off]];
+          blk = plain;
+        }
+        decode(base, blk, dec);
         for (int64_t i = 0; i < mr; ++i) {
           const int64_t m = m0 + i;
           const int8_t* x = p.xq + m * p.K + b * qk;
           const float da = p.xd[m * nb + b];
-          int lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          int isum = 0;
           for (int g = 0; g < dec.ngroups; ++g) {
-            for (int l = 0; l < 8; ++l) {
-              int s = 0;
-              for (int t = 0; t < 4; ++t) s += dec.q[g][4 * l + t] * x[32 * g + 4 * l + t];
-              lanes[l] += s * (l < 4 ? dec.s_lo[g] : dec.s_hi[g]);
-            }
+            int lo = 0, hi = 0;  // the group's two 16-value halves
+            for (int l = 0; l < 16; ++l) lo += dec.q[g][l] * x[32 * g + l];
+            for (int l = 16; l < 32; ++l) hi += dec.q[g][l] * x[32 * g + l];
+            isum += lo * dec.s_lo[g] + hi * dec.s_hi[g];
           }
-          const float scale = dec.d * da;
-          for (int l = 0; l < 8; ++l) facc[i][l] = __builtin_fmaf(static_cast<float>(lanes[l]), scale, facc[i][l]);
-          if (ktype) {
-            const int16_t* xs = p.xs + m * (p.K / 16) + b * 16;
-            const float dm = dec.dmin * da;
-            for (int l = 0; l < 8; ++l) {
-              const int mins = dec.mn[2 * l] * xs[2 * l] + dec.mn[2 * l + 1] * xs[2 * l + 1];
-              facc[i][l] = __builtin_fmaf(-static_cast<float>(mins), dm, facc[i][l]);
-            }
-          }
+          y[i] = __builtin_fmaf(static_cast<float>(isum), dec.d * da, y[i]);
+          if (!ktype) continue;
+          const int16_t* xs = p.xs + m * (p.K / 16) + b * 16;
+          int msum = 0;
+          for (int j = 0; j < 16; ++j) msum += dec.mn[j] * xs[j];
+          y[i] = __builtin_fmaf(-static_cast<float>(msum), dec.dmin * da, y[i]);
         }
       }
-      for (int64_t i = 0; i < mr; ++i) out[(m0 + i) * ldo + (n - n0)] = hsum8(facc[i]);
+      for (int64_t i = 0; i < mr; ++i) out[(m0 + i) * ldo + (n - n0)] = y[i];
     }
   }
 }

@@ -16,12 +16,6 @@ namespace swiftspec {
 namespace quant {
 namespace {
 
-static inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // f0+f4 ...
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));  // (f0+f4)+(f2+f6), (f1+f5)+(f3+f7)
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 // fp16 -> fp32 with F16C (exact, the same value as quant_blocks.h's load_f16)
 static inline float load_h(const uint8_t* p) {
   uint16_t h;
@@ -48,12 +42,19 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(others, _mm256_set1_epi8(-1));
 }
 
+// exact: the int32 lanes' sum
+static inline int hsum8_epi32(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i s2 = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+}
+
 template <int MR>
 struct Rows {
   const int8_t* xq[MR];
   const float* xd[MR];
   const int16_t* xs[MR];
-  __m256 facc[MR];
+  float y[MR];  // the column's value
 };
 
 template <int MR>
@@ -61,16 +62,16 @@ static inline void k_group(Rows<MR>& r, __m256i* acc, __m256i q, int64_t xoff, _
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_add_epi32(acc[i], dot_k(q, loadu(r.xq[i] + xoff), s));
 }
 
-// End of a super-block: the integer lanes, scaled, into facc; then the min term, lane l holding
-// mn16[2l] * xs[2l] + mn16[2l+1] * xs[2l+1] (exact in int32), scaled and subtracted from the same
-// lanes. mn16: the 16 per-16-value mins as int16 lanes.
+// End of a super-block: the exact integer sum of the lanes, scaled, into the column's value;
+// then the min term sum_j mn16[j] * xs[j] (exact in int32), scaled and subtracted. mn16: the 16
+// per-16-value mins as int16 lanes.
 template <int MR>
 static inline void k_finish(Rows<MR>& r, const __m256i* acc, int64_t b, float d, float dmin, __m256i mn16) {
   for (int i = 0; i < MR; ++i) {
     const float da = r.xd[i][b];
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, loadu(r.xs[i] + b * 16)));
-    r.facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(d * da), r.facc[i]);
-    r.facc[i] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dmin * da), r.facc[i]);
+    const int msum = hsum8_epi32(_mm256_madd_epi16(mn16, loadu(r.xs[i] + b * 16)));
+    r.y[i] = __builtin_fmaf(static_cast<float>(hsum8_epi32(acc[i])), d * da, r.y[i]);
+    r.y[i] = __builtin_fmaf(-static_cast<float>(msum), dmin * da, r.y[i]);
   }
 }
 
@@ -159,8 +160,8 @@ static void col_q0(int type, const uint8_t* wrow, int64_t nb, Rows<MR>& r) {
     }
     const __m256i aq = _mm256_sign_epi8(q, q);
     for (int i = 0; i < MR; ++i) {
-      const __m256i p = dot_0(aq, _mm256_sign_epi8(loadu(r.xq[i] + b * 32), q));
-      r.facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * r.xd[i][b]), r.facc[i]);
+      const int isum = hsum8_epi32(dot_0(aq, _mm256_sign_epi8(loadu(r.xq[i] + b * 32), q)));
+      r.y[i] = __builtin_fmaf(static_cast<float>(isum), d * r.xd[i][b], r.y[i]);
     }
   }
 }
@@ -174,7 +175,7 @@ static void column(const Problem& p, int64_t m0, int64_t n, float* out, int64_t 
     r.xq[i] = p.xq + (m0 + i) * p.K;
     r.xd[i] = p.xd + (m0 + i) * nb;
     r.xs[i] = p.xs != nullptr ? p.xs + (m0 + i) * (p.K / 16) : nullptr;
-    r.facc[i] = _mm256_setzero_ps();
+    r.y[i] = 0.f;
   }
   const uint8_t* wrow = p.w + n * p.row_bytes;
   switch (p.type) {
@@ -183,15 +184,253 @@ static void column(const Problem& p, int64_t m0, int64_t n, float* out, int64_t 
     case kQ6_K: col_q6k<MR>(wrow, nb, r); break;
     default: col_q0<MR>(p.type, wrow, nb, r); break;
   }
-  for (int i = 0; i < MR; ++i) out[(m0 + i) * ldo + col] = hsum8(r.facc[i]);
+  for (int i = 0; i < MR; ++i) out[(m0 + i) * ldo + col] = r.y[i];
 }
+
+// ---- 8-row interleaved Q4_K, Q4_0, AWQ4 (quant_blocks.h, x8_source): int32 lane c = output column c. Per
+// row, 8 maddubs results are summed in int16 (|q x + q x| <= 2 * 15 * 127, so never saturating)
+// before one vpmaddwd by the column's sub-block scale.
+
+static inline __m256i bcast32(const void* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+// vpshufb of every 32-bit lane of t by the same 4 byte indices `within` (0x80: a zero byte)
+static inline __m256i lane_shuffle(__m256i t, uint32_t within) {
+  const __m256i idx = _mm256_add_epi8(_mm256_set1_epi32(static_cast<int>(within)),
+                                      _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0,
+                                                       0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  return _mm256_shuffle_epi8(t, idx);
+}
+// int16 lanes (byte j0, byte j1) of each 32-bit lane of t (bytes zero-extended)
+static inline __m256i bytes16(__m256i t, int j0, int j1) {
+  return lane_shuffle(t, 0x80008000u | (static_cast<uint32_t>(j1) << 16) | static_cast<uint32_t>(j0));
+}
+// pins a value in a register at this point of the instruction stream (volatile asm statements
+// keep their order): stops the compiler from decoding every weight register of a block up front
+// and re-associating the running sums into a tree of spilled temporaries
+#define QG_KEEP(v) asm volatile("" : "+x"(v))
+
+// the rows' float results, column c in lane c, updated once per super-block in the same order as
+// quant_blocks.h: fma(float(isum), d * da), then fma(-float(msum), dmin * da)
+static inline void x8_finish(float* f, __m256i isum, __m256i msum, __m256 d, __m256 dmin, float da) {
+  const __m256 a = _mm256_set1_ps(da);
+  __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, a), _mm256_loadu_ps(f));
+  _mm256_storeu_ps(f, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, a), y));
+}
+
+struct X8Rows {
+  const int8_t* xq[16];
+  const float* xd[16];
+  const int16_t* xs[16];
+  const int16_t* xs32[16];
+  float* f[16];
+};
+
+// Q4_K tables of one group super-block: the 6-bit scales and mins of 8 sub-blocks x 8 columns
+// (get_scale_min_k4 on 4 bytes of every column at once), sub-blocks 0-3 / 4-7 as bytes 0-3.
+struct Q4KTables {
+  __m256 d, dmin;
+  __m256i sc03, sc47, mn03, mn47;
+};
+
+static inline Q4KTables q4k_tables(const uint8_t* blk) {
+  Q4KTables t;
+  t.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  t.dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+  const __m256i u0 = loadu(blk + 32), u1 = loadu(blk + 64), u2 = loadu(blk + 96);
+  const __m256i k3f = _mm256_set1_epi8(0x3f), k0f = _mm256_set1_epi8(0x0f), k03 = _mm256_set1_epi8(0x03);
+  t.sc03 = _mm256_and_si256(u0, k3f);
+  t.sc47 = _mm256_or_si256(_mm256_and_si256(u2, k0f),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k03), 4));
+  t.mn03 = _mm256_and_si256(u1, k3f);
+  t.mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k0f),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k03), 4));
+  return t;
+}
+
+// (not inlined: one register allocation per row count, and none shared with the caller's loops)
+template <int MR>
+__attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b, const Q4KTables& t, const X8Rows& r, int i0) {
+  __m256i acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+  for (int cc = 0; cc < 4; ++cc) {
+    const __m256i tab = cc < 2 ? t.sc03 : t.sc47;
+    const int j = (2 * cc) & 3;
+    const __m256i sa = bytes16(tab, j, j), sb = bytes16(tab, j + 1, j + 1);
+    __m256i ha[MR], hb[MR];
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const __m256i raw = loadu(blk + 128 + (8 * cc + s) * 32);
+      __m256i lo = nib_lo(raw), hi = nib_hi(raw);
+      QG_KEEP(lo);
+      QG_KEEP(hi);
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = r.xq[i0 + i] + b * 256 + 64 * cc + 4 * s;
+        const __m256i pa = _mm256_maddubs_epi16(lo, bcast32(x)), pb = _mm256_maddubs_epi16(hi, bcast32(x + 32));
+        ha[i] = s == 0 ? pa : _mm256_add_epi16(ha[i], pa);
+        hb[i] = s == 0 ? pb : _mm256_add_epi16(hb[i], pb);
+        QG_KEEP(ha[i]);
+        QG_KEEP(hb[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(_mm256_madd_epi16(ha[i], sa), _mm256_madd_epi16(hb[i], sb)));
+  }
+  for (int i = 0; i < MR; ++i) {
+    // min term: sub-block pairs (2p, 2p + 1) against the row's sums of 32
+    const int16_t* xs = r.xs32[i0 + i] + b * 8;
+    __m256i ms = _mm256_madd_epi16(bytes16(t.mn03, 0, 1), bcast32(xs));
+    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(bytes16(t.mn03, 2, 3), bcast32(xs + 2)));
+    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(bytes16(t.mn47, 0, 1), bcast32(xs + 4)));
+    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(bytes16(t.mn47, 2, 3), bcast32(xs + 6)));
+    x8_finish(r.f[i0 + i], acc[i], ms, t.d, t.dmin, r.xd[i0 + i][b]);
+  }
+}
+
+// The 32-value types, one group block (8 rows x 32 values) for rows i0..i0+MR: per row, the
+// maddubs of the quant registers (unsigned values x the row's int8 values) summed in int16 as
+// far as that cannot overflow (Q4_0 / AWQ4: 8 products of |q| <= 15, |sum| <= 8 * 2 * 15 * 127
+// < 2^15; Q5_0: 4 of |q| <= 31; Q8_0: 1, its signs moved onto x), then vpmaddwd to int32, minus
+// z * (sum of the row's 32 values): exactly sum (q - z) * x per column.
+struct Q0Group {
+  __m256i v[8];  // unsigned quant bytes: values 4s..4s+3 of row c in lane c of v[s] (Q8_0: |q|)
+  __m256i sgn[8];  // Q8_0: the signs of q
+  __m256i z;     // zero point per column (int32)
+  __m256 d;      // block scale per column
+};
+
+template <int Base>
+static inline void q0_group(const uint8_t* blk, Q0Group& g) {
+  g.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  if (Base == kQ8_0) {
+    g.z = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      const __m256i q = loadu(blk + 16 + 32 * s);
+      g.sgn[s] = q;
+      g.v[s] = _mm256_sign_epi8(q, q);
+    }
+    return;
+  }
+  const bool awq = Base == kAWQ4, q5 = Base == kQ5_0;
+  g.z = awq ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 16)))
+            : _mm256_set1_epi32(q5 ? 16 : 8);
+  const uint8_t* qs = blk + (awq ? 32 : (q5 ? 48 : 16));
+  const __m256i qh = q5 ? loadu(blk + 16) : _mm256_setzero_si256();
+  // byte t of every 32-bit lane: bit t of that lane's low byte (after the shift) -> 0x10
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                          8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bit = _mm256_set1_epi32(0x08040201);
+  for (int s = 0; s < 4; ++s) {
+    const __m256i raw = loadu(qs + 32 * s);
+    __m256i lo = nib_lo(raw), hi = nib_hi(raw);
+    if (q5) {  // bit 4 s + t (low nibbles) and 16 + 4 s + t (high nibbles) of the row's qh
+      const __m256i bl = _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 4 * s), spread);
+      const __m256i bh = _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 16 + 4 * s), spread);
+      const __m256i k10 = _mm256_set1_epi8(0x10);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bl, bit), bit), k10));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bh, bit), bit), k10));
+    }
+    g.v[s] = lo;      // values 4 s + t
+    g.v[4 + s] = hi;  // values 16 + 4 s + t
+  }
+}
+
+template <int Base, int MR>
+__attribute__((noinline)) static void q0_x8_rows(const Q0Group& g, int64_t b, const X8Rows& r, int i0) {
+  // int16 sums of `lim` maddubs before one vpmaddwd (see above)
+  constexpr int lim = Base == kQ8_0 ? 1 : (Base == kQ5_0 ? 4 : 8);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[MR], h[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+    // register s holds values 4 s .. 4 s + 3 (Q8_0) or, for the 4-bit types, v[s] (s < 4) values
+    // 4 s + t and v[s] (s >= 4) values 16 + 4 (s - 4) + t: the same offsets 4 s within the block
+    const int off = Base == kQ8_0 ? 4 * s : (s < 4 ? 4 * s : 16 + 4 * (s - 4));
+    for (int i = 0; i < MR; ++i) {
+      __m256i x = bcast32(r.xq[i0 + i] + b * 32 + off);
+      if (Base == kQ8_0) x = _mm256_sign_epi8(x, g.sgn[s]);
+      const __m256i pq = _mm256_maddubs_epi16(g.v[s], x);
+      h[i] = s % lim == 0 ? pq : _mm256_add_epi16(h[i], pq);
+      if (s % lim == lim - 1) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(h[i], ones));
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m256i zx = _mm256_mullo_epi32(g.z, _mm256_set1_epi32(r.xs32[i0 + i][b]));
+    const __m256i isum = _mm256_sub_epi32(acc[i], zx);
+    float* f = r.f[i0 + i];
+    const __m256 a = _mm256_set1_ps(r.xd[i0 + i][b]);
+    _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g.d, a), _mm256_loadu_ps(f)));
+  }
+}
+
+template <int Base>
+static void q0_x8_block(const uint8_t* blk, int64_t b, const X8Rows& r, int mr) {
+  constexpr int MR = 4;
+  Q0Group g;
+  q0_group<Base>(blk, g);
+  int i0 = 0;
+  for (; i0 + MR <= mr; i0 += MR) q0_x8_rows<Base, MR>(g, b, r, i0);
+  for (; i0 < mr; ++i0) q0_x8_rows<Base, 1>(g, b, r, i0);
+}
+
+// One group of 8 interleaved columns [n, n + 8) for all rows: out[m * ldo + c], c = 0..7.
+static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
+  constexpr int MR = 4;
+  const int base = base_type(p.type);
+  const int qk = block_values(base);
+  const int64_t nb = p.K / qk;
+  const int64_t gb = 8 * block_bytes(base);  // bytes per group block
+  const uint8_t* grp = p.w + n * p.row_bytes;
+  for (int64_t m0 = 0; m0 < p.M; m0 += 16) {
+    const int mr = static_cast<int>(p.M - m0 < 16 ? p.M - m0 : 16);
+    alignas(32) float f[16 * 8];
+    X8Rows r;
+    for (int i = 0; i < mr; ++i) {
+      const int64_t m = m0 + i;
+      r.xq[i] = p.xq + m * p.K;
+      r.xd[i] = p.xd + m * nb;
+      r.xs[i] = p.xs != nullptr ? p.xs + m * (p.K / 16) : nullptr;
+      r.xs32[i] = p.xs32 + m * (p.K / 32);
+      r.f[i] = f + 8 * i;
+      _mm256_store_ps(f + 8 * i, _mm256_setzero_ps());
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = grp + b * gb;
+      int i0 = 0;
+      if (base == kQ4_K) {
+        const Q4KTables t = q4k_tables(blk);
+        for (; i0 + MR <= mr; i0 += MR) q4k_x8_rows<MR>(blk, b, t, r, i0);
+        for (; i0 < mr; ++i0) q4k_x8_rows<1>(blk, b, t, r, i0);
+      } else {
+        switch (base) {
+          case kQ4_0: q0_x8_block<kQ4_0>(blk, b, r, mr); break;
+          case kQ5_0: q0_x8_block<kQ5_0>(blk, b, r, mr); break;
+          case kQ8_0: q0_x8_block<kQ8_0>(blk, b, r, mr); break;
+          default: q0_x8_block<kAWQ4>(blk, b, r, mr); break;
+        }
+      }
+    }
+    for (int i = 0; i < mr; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, _mm256_load_ps(f + 8 * i));
+  }
+}
+
+#undef QG_KEEP
 
 }  // namespace
 
 // Columns in tiles of 16; inside a tile the rows go in groups of up to 8 (one set of
 // accumulators in registers), so a column's weights come from memory once and from L1/L2 for
-// the following row groups.
+// the following row groups. Interleaved (x8) weights go by groups of 8 columns (n0 and n1 are
+// multiples of 8 there).
 void QG_ENTRY(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  if (is_x8(p.type)) {
+    for (int64_t n = n0; n < n1; n += 8) x8_group(p, n, out + (n - n0), ldo);
+    return;
+  }
   constexpr int64_t kTile = 16;
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     const int64_t t1 = t0 + kTile < n1 ? t0 + kTile : n1;

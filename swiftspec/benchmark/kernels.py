@@ -222,12 +222,14 @@ def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> list[Case]:
     """The default target's GGUF layers (Q4_K gate+up, Q6_K down_proj, K = 1536 / 8960) and its
     gate+up as an AWQ checkpoint would load (AWQ4 blocks): our quantized GEMM on the blocks in place
-    (``auto`` = the ISA dispatch picks; every other kernel this CPU runs is listed beside it) vs
+    (``auto`` = the ISA dispatch picks; every other kernel this CPU runs is listed beside it; Q4_K
+    and AWQ4 in the interleaved layout the engine loads, the file's plain layout beside it) vs
     the kernels-off PyTorch path of the same arithmetic (int8 activations x dequantized fp32
     weights) and vs ``F.linear`` on weights dequantized to fp32 and bf16 once. torch's int4 CPU
     kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations) is a baseline for AWQ4 only: its
     format (one asymmetric scale + zero per group) holds AWQ's groups but not Q4_K's 6-bit
     sub-scales and mins or Q6_K without re-quantizing, i.e. a different model."""
+    from swiftspec import ops
     from swiftspec.ops import cpu, quant
 
     ext = cpu.load()
@@ -237,6 +239,8 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
     for what, ggml_type, k, n in (("gate_up", 12, hidden, 2 * inter), ("down_proj", 14, inter, hidden),
                                   ("gate_up", quant.AWQ4, hidden, 2 * inter)):
         w = _random_blocks(n, k, ggml_type, g)
+        x8 = quant.x8_type(ggml_type, n) if ops.quant_x8_enabled() else None
+        wk, tk = (quant.interleave(w, ggml_type), x8) if x8 else (w, ggml_type)  # as the engine loads it
         int4 = _torch_int4(w) if ggml_type == quant.AWQ4 else None
         w32 = quant.dequantize(w, ggml_type)
         w16 = w32.to(torch.bfloat16)
@@ -246,9 +250,11 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
             x16 = x.to(torch.bfloat16)
             for threads in threads_list:
                 torch.set_num_threads(threads)
-                fns = {"ours": lambda: ext.quant_linear(x, [w], [ggml_type], "auto")}
+                fns = {"ours": lambda: ext.quant_linear(x, [wk], [tk], "auto")}
+                if x8:
+                    fns["ours, plain layout"] = lambda: ext.quant_linear(x, [w], [ggml_type], "auto")
                 for impl in others:
-                    fns[f"ours, {impl} kernel"] = lambda impl=impl: ext.quant_linear(x, [w], [ggml_type], impl)
+                    fns[f"ours, {impl} kernel"] = lambda impl=impl: ext.quant_linear(x, [wk], [tk], impl)
                 fns["kernels off (int8 x fp32, PyTorch)"] = lambda: quant.torch_linear(x, [w], [ggml_type], [w32])
                 fns["F.linear fp32 dequantized"] = lambda: F.linear(x, w32)
                 fns["F.linear bf16 dequantized"] = lambda: F.linear(x16, w16)
@@ -256,7 +262,7 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
                     fns["torch int4 (bf16, group 32)"] = \
                         lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, int4[0], 32, int4[1])
                 t = time_interleaved(fns, rounds, iters, _sync("cpu"))
-                shape = (f"qwen-1.5b (target) {what} {quant.ggml_name(ggml_type)} M={m} K={k} N={n} "
+                shape = (f"qwen-1.5b (target) {what} {quant.ggml_name(tk)} M={m} K={k} N={n} "
                          f"({w.numel() / 2 ** 20:.1f} MiB; kernel {ext.quant_impls()[0]})")
                 cases.append(Case("quant_linear", shape, "float32", threads, t.pop("ours"), t,
                                   weight_bytes=w.numel()))

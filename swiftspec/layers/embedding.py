@@ -13,6 +13,7 @@ from torch import nn
 from swiftspec import ops
 from swiftspec.layers.gguf import GGUFWeight
 from swiftspec.layers.quant import quantize_int8
+from swiftspec.ops import quant
 from swiftspec.parallel import LOCAL, TPContext
 
 
@@ -35,7 +36,10 @@ class VocabParallelEmbedding(nn.Module):
         if gguf_type is not None:
             if tp.size != 1:
                 raise ValueError("GGUF block weights are supported at TP = 1 only")
-            self.native = GGUFWeight(hidden_size, [vocab_size], [gguf_type])
+            # an LM head's blocks may take the kernels' interleaved layout; an embedding table
+            # (row lookups, also the table of a tied head) stays plain
+            self.native = GGUFWeight(hidden_size, [vocab_size], [gguf_type],
+                                     interleave=isinstance(self, ParallelLMHead) and ops.quant_x8_enabled())
             self.register_parameter("weight", None)
             return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
@@ -82,7 +86,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         n_local = max(0, min(self.shard, v - self.start))
         if self.native is not None:  # TP = 1: rows [0, v) of the block table
             nat = self.native
-            return ops.quant_linear(h, [nat.parts[0][:v]], nat.types, lambda: [nat.dequantized()[0][:v]])
+            # interleaved blocks come in groups of 8 rows: compute up to the group's end, keep v
+            n = min(-(-v // 8) * 8, self.vocab_size) if nat.types[0] & quant.X8 else v
+            y = ops.quant_linear(h, [nat.parts[0][:n]], nat.types, lambda: [nat.dequantized()[0][:n]])
+            return y if n == v else y[:, :v]
         if hasattr(self, "qweight"):
             logits = ops.int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
         else:

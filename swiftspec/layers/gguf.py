@@ -29,12 +29,15 @@ class GGUFWeight(nn.Module):
         in_features: K, a multiple of every part's block size (32 or 256 values).
         part_sizes: output rows of each part (e.g. q, k, v sizes), summing to N.
         types: ggml type id of each part (:data:`swiftspec.ops.quant.GGML_TYPES`).
+        interleave: store the parts whose type has an 8-row interleaved layout (Q4_K, Q4_0, AWQ4, with a
+            multiple of 8 rows) that way, for the kernels (:func:`swiftspec.ops.quant_x8_enabled`
+            says whether they run here); ``types`` then holds the interleaved id.
 
     Raises:
         ValueError: a type without a kernel, or K not a multiple of a part's block size.
     """
 
-    def __init__(self, in_features: int, part_sizes: list[int], types: list[int]):
+    def __init__(self, in_features: int, part_sizes: list[int], types: list[int], interleave: bool = False):
         super().__init__()
         if len(part_sizes) != len(types):
             raise ValueError("one ggml type per part")
@@ -43,6 +46,8 @@ class GGUFWeight(nn.Module):
                 raise ValueError(f"ggml type {t} has no quantized kernel")
         self.in_features = in_features
         self.types = [int(t) for t in types]
+        if interleave:  # the layout is fixed here, when the layer is built
+            self.types = [quant.x8_type(t, n) or t for n, t in zip(part_sizes, self.types)]
         self.parts = nn.ParameterList(
             nn.Parameter(torch.empty(n, quant.row_bytes(t, in_features), dtype=torch.uint8), requires_grad=False)
             for n, t in zip(part_sizes, self.types))
@@ -60,11 +65,12 @@ class GGUFWeight(nn.Module):
         Raises:
             ValueError: the blocks' shape differs from the part's (another type or shape).
         """
-        part = self.parts[SHARD_PART[shard_id]]
+        i = SHARD_PART[shard_id]
+        part = self.parts[i]
         if tuple(loaded.shape) != tuple(part.shape) or loaded.dtype != torch.uint8:
             raise ValueError(f"GGUF part {shard_id!r}: got {loaded.dtype} {tuple(loaded.shape)}, "
                              f"expected uint8 {tuple(part.shape)}")
-        part.data.copy_(loaded)
+        part.data.copy_(quant.interleave(loaded, self.types[i]) if self.types[i] & quant.X8 else loaded)
         self._dequantized = None
 
     def dequantized(self) -> list[torch.Tensor]:
@@ -81,7 +87,12 @@ class GGUFWeight(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``ids`` (one part only: embedding tables), ``[len(ids), K]`` float32."""
-        return quant.dequantize(self.parts[0].data[ids], self.types[0])
+        t, raw = self.types[0], self.parts[0].data
+        if t & quant.X8:  # the rows' 8-row groups, back to plain blocks
+            groups = raw.view(-1, 8, raw.shape[1])[ids // 8].reshape(-1, raw.shape[1])
+            plain = quant.deinterleave(groups, t).view(len(ids), 8, -1)
+            return quant.dequantize(plain[torch.arange(len(ids)), ids % 8], t & ~quant.X8)
+        return quant.dequantize(raw[ids], t)
 
     def extra_repr(self) -> str:
         names = [quant.GGML_TYPES[t][0] for t in self.types]

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from swiftspec.ops import reference
 
 # SWIFTSPEC_KERNELS=0 in the environment turns them off from the start (ablations, debugging)
-_state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0"}
+_state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0",
+          # SWIFTSPEC_QUANT_X8=0: GGUF Q4_K weights keep the file's plain layout (set_quant_x8)
+          "x8": os.environ.get("SWIFTSPEC_QUANT_X8", "1") != "0"}
 
 
 def set_kernels(enabled: bool) -> None:
@@ -199,6 +201,19 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int], d
     from swiftspec.ops import quant
 
     return quant.torch_linear(x, parts, types, dequantized())
+
+
+def set_quant_x8(enabled: bool) -> None:
+    """Let GGUF weights built from now on take the interleaved layout (True, the default) or keep
+    the plain one (False: benchmarks compare the two side by side)."""
+    _state["x8"] = bool(enabled)
+
+
+def quant_x8_enabled() -> bool:
+    """Whether GGUF weights built now should take the 8-row interleaved layout (Q4_K): the kernels
+    are on, the CPU extension loads and this CPU has a SIMD quantized GEMM (the scalar loop reads
+    the plain layout faster). Measured in bench/native_forward.py (both layouts side by side)."""
+    return _state["enabled"] and _state["x8"] and cpu_dispatch()["quant_gemm"] != "scalar"
 
 
 def native_layer_twin(x: torch.Tensor) -> bool:

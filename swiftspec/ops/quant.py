@@ -7,6 +7,8 @@ tensor per weight whose row ``n`` is the ``K / QK`` blocks of output feature ``n
 :data:`AWQ4` blocks of 32 (:mod:`swiftspec.awq`). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``)
 reads those bytes in place; this module has the same arithmetic in PyTorch:
 
+* :func:`interleave` stores every 8 rows of Q4_K or a 32-value type interleaved (made once at load, read by the
+  SIMD kernels with one output column per lane), :func:`deinterleave` undoes it;
 * :func:`dequantize` turns blocks into float32 values (tested against the ``gguf`` library's
   ``gguf.quants.dequantize``, and for AWQ4 against autoawq's own dequantization), used for
   embedding lookups and by the PyTorch path;
@@ -27,6 +29,10 @@ import torch
 # fp16 scale d, uint8 zero z, a reserved byte, 16 bytes of nibbles in Q4_0's order; w = d * (q - z)
 AWQ4 = 200
 
+# or-ed into a type id: the same blocks with every 8 rows interleaved (csrc/cpu/quant_blocks.h,
+# x8_source), made once at load for the kernels; Q4_K and the 32-value types
+X8 = 0x100
+
 # block type id -> (name, values per block, bytes per block), for the types with a kernel
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
@@ -36,6 +42,11 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     AWQ4: ("AWQ4", 32, 20),
+    12 | X8: ("Q4_K_X8", 256, 144),
+    2 | X8: ("Q4_0_X8", 32, 18),
+    6 | X8: ("Q5_0_X8", 32, 22),
+    8 | X8: ("Q8_0_X8", 32, 34),
+    AWQ4 | X8: ("AWQ4_X8", 32, 20),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
 
@@ -71,6 +82,30 @@ def row_bytes(ggml_type: int, k: int) -> int:
     return k // qk * bb
 
 
+def x8_type(ggml_type: int, rows: int) -> int | None:
+    """The interleaved type id of ``rows`` rows of ``ggml_type`` blocks, None where there is none
+    (a type without the layout, or ``rows`` not a multiple of 8)."""
+    t = int(ggml_type) | X8
+    return t if t in GGML_TYPES and rows % 8 == 0 else None
+
+
+def _layout_op(name: str, raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    from swiftspec.ops import cpu  # the layout's one definition is the kernel's (x8_source)
+
+    return getattr(cpu.load(), name)(raw.contiguous(), int(ggml_type) | X8)
+
+
+def interleave(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``[N, row_bytes]`` uint8 blocks -> the same bytes, every 8 rows interleaved (N % 8 == 0)
+    for the kernels; needs the CPU extension. Raises RuntimeError on a type without the layout."""
+    return _layout_op("quant_interleave", raw, ggml_type)
+
+
+def deinterleave(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The inverse of :func:`interleave`."""
+    return _layout_op("quant_deinterleave", raw, ggml_type)
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """``[..., 2]`` uint8 (little-endian IEEE half) -> ``[..., 1]`` float32."""
     return b.contiguous().view(torch.float16).float()
@@ -99,6 +134,8 @@ def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     Raises:
         KeyError: a type without a kernel. ValueError: ``row_bytes`` is not whole blocks.
     """
+    if int(ggml_type) & X8:
+        raw, ggml_type = deinterleave(raw, ggml_type), int(ggml_type) & ~X8
     name, qk, bb = GGML_TYPES[int(ggml_type)]
     n, nbytes = raw.shape
     if nbytes % bb:
