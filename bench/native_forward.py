@@ -1,13 +1,17 @@
-"""Target forward time on native GGUF weights against the machine's read bandwidth.
+"""Target (or draft) forward time on native GGUF weights against the machine's read bandwidth.
 
-For 1 and 8 rows (a one-token step and a bs = 8 verification) after a 100-token prefill: the
-time of one forward + LM head (best of --rounds), the weight bytes it reads (every block of the
-model's GGUF layers) and the fraction of the read bandwidth that is, the bandwidth being the best
+For 1, 4 and 8 rows (a one-token step and verifications; for the draft, expansions) after a
+100-token prefill: the time of one forward + LM head (best of --rounds), the weight bytes it
+reads (every block of the model's GGUF layers and the LM-head rows it computes: all for the
+target, the engine's ``draft_vocab`` = 32768 for the draft) and the fraction of the read bandwidth that is, the bandwidth being the best
 of 5 ``torch.sum`` passes over a 1 GiB fp32 tensor with the same thread count, measured in the
-same run. Also the same forward with every weight dequantized (``weights="float32"``) and with the
-kernels off (the PyTorch path of the same arithmetic). Prints a table and writes JSON (--out).
+same run. Native weights in the kernels' layout (Q4_K and the 32-value types interleaved by 8 rows) and in the file's
+plain layout, side by side; also the same forward with every weight dequantized
+(``weights="float32"``) and with the kernels off (the PyTorch path of the same arithmetic). Prints
+a table and writes JSON (--out).
 
     python bench/native_forward.py --threads 2 --out bench/results/native-forward-avx2.json
+    python bench/native_forward.py --model draft --threads 2 --out bench/results/native-forward-draft-avx2.json
 """
 from __future__ import annotations
 
@@ -30,24 +34,28 @@ def bandwidth(threads: int) -> float:
     return best
 
 
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n and "bias" not in n)
+def read_bytes(model, vocab: int | None) -> int:
+    """Weight bytes one forward reads: the decoder layers' and the LM-head rows below ``vocab``."""
+    layers = sum(p.numel() * p.element_size() for n, p in model.layers.named_parameters()
+                 if "norm" not in n and "bias" not in n)
+    head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+    return layers + head * min(vocab or model.cfg.vocab_size, model.cfg.vocab_size) // model.cfg.vocab_size
 
 
-def time_forward(model, rows: int, rounds: int) -> float:
+def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> float:
     n = 100
     kv = model.make_kv_cache(256)
     ids = torch.randint(0, 1000, (n,))
     pos = torch.arange(n)
     mask = torch.ones(n, 256, dtype=torch.bool).tril()
-    model.compute_logits(model(ids, pos, pos.clone(), mask, kv)[-1:])
+    model.compute_logits(model(ids, pos, pos.clone(), mask, kv)[-1:], vocab)
     ids1, pos1, slots = torch.randint(0, 1000, (rows,)), torch.full((rows,), n), torch.arange(n, n + rows)
     mask1 = torch.zeros(rows, 256, dtype=torch.bool)
     mask1[:, : n + rows] = True
     best = float("inf")
     for _ in range(rounds + 1):
         t = time.perf_counter()
-        model.compute_logits(model(ids1, pos1, slots, mask1, kv))
+        model.compute_logits(model(ids1, pos1, slots, mask1, kv), vocab)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -58,11 +66,13 @@ def main() -> None:
     from swiftspec.models.llama import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["target", "draft"], default="target")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args()
-    target, _ = fetch_default_pair(progress=False)
+    path = fetch_default_pair(progress=False)[0 if args.model == "target" else 1]
+    vocab = None if args.model == "target" else 32768  # EngineConfig.draft_vocab
     bw = bandwidth(args.threads)
     from swiftspec.ops.cpu import _cpu_flags
 
@@ -71,20 +81,23 @@ def main() -> None:
 
     model_name = cpu_model_name()
     rows_out = []
-    for weights, kernels in (("native", True), ("native", False), ("float32", True)):
+    for weights, kernels, layout in (("native", True, "x8"), ("native", True, "plain"), ("native", False, "plain"),
+                                     ("float32", True, "-")):
         ops.set_kernels(kernels)
-        model = load_model(target, dtype=torch.float32, max_positions=512, weights=weights)
-        nbytes = weight_bytes(model) - model.embed_tokens.native.parts[0].numel() if weights == "native" \
-            else weight_bytes(model) - model.embed_tokens.weight.numel() * 4
-        for rows in (1, 8):
-            t = time_forward(model, rows, args.rounds)
-            rows_out.append({"weights": weights, "kernels": kernels, "rows": rows, "ms": t * 1e3,
+        ops.set_quant_x8(layout == "x8")
+        model = load_model(path, dtype=torch.float32, max_positions=512, weights=weights)
+        nbytes = read_bytes(model, vocab)
+        for rows in (1, 2, 4, 8):
+            t = time_forward(model, rows, args.rounds, vocab)
+            rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "rows": rows, "ms": t * 1e3,
                              "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9, "of_bandwidth": nbytes / t / bw})
-            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} rows={rows:2d} {t * 1e3:8.1f} ms "
+            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} rows={rows:2d} {t * 1e3:8.1f} ms "
                   f"{nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / bw:5.0%} of {bw / 1e9:.1f} GB/s", flush=True)
         del model
     ops.set_kernels(True)
+    ops.set_quant_x8(True)
     record = {"command": "python bench/native_forward.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),
+              "model": args.model,
               "cpu": model_name, "isa": ops.cpu_dispatch(), "cpu_flags": flags.split(":", 1)[-1].split(),
               "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "rows": rows_out}
     if args.out:

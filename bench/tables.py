@@ -27,9 +27,13 @@ def render(record) -> str:
     if isinstance(record, dict) and "cases" in record:
         return kernels.summary_table(record["cases"])
     if isinstance(record, dict) and "bandwidth_gb_s" in record:
-        lines = [f"read bandwidth {record['bandwidth_gb_s']:.1f} GB/s, {record['threads']} threads",
-                 "", "| weights | kernels | rows | ms | weight GB/s | of bandwidth |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['weights']} | {'on' if r['kernels'] else 'off'} | {r['rows']} | {r['ms']:.1f} | "
+        lines = [f"{record.get('model', 'target')} model, read bandwidth {record['bandwidth_gb_s']:.1f} GB/s, "
+                 f"{record['threads']} threads",
+                 "", "| weights | kernels | layout | rows | ms | weight GB/s | of bandwidth |",
+                 "|---|---|---|---|---|---|---|"]
+        # older records predate the interleaved layout: their native weights were plain
+        lines += [f"| {r['weights']} | {'on' if r['kernels'] else 'off'} | "
+                  f"{r.get('layout', 'plain' if r['weights'] == 'native' else '-')} | {r['rows']} | {r['ms']:.1f} | "
                   f"{r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} % |" for r in record["rows"]]
         return "\n".join(lines)
     if isinstance(record, dict) and record.get("rows") and "top1_agreement" in record["rows"][0]:
