@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "quant_blocks.h"
 
@@ -35,5 +36,10 @@ static inline __m256i dot_0(__m256i aq, __m256i sx) {
 }  // namespace quant
 }  // namespace swiftspec
 
+// the interleaved (x8) kernels accumulate with vpdpbusd, QG_X8_ROWS rows per register set
+#define QG_DPBUSD _mm256_dpbusd_epi32
+#ifndef QG_X8_ROWS
+#define QG_X8_ROWS 8
+#endif
 #define QG_ENTRY gemm_avx512vnni
 #include "quant_gemm_simd.h"

@@ -187,9 +187,10 @@ static void column(const Problem& p, int64_t m0, int64_t n, float* out, int64_t 
   for (int i = 0; i < MR; ++i) out[(m0 + i) * ldo + col] = r.y[i];
 }
 
-// ---- 8-row interleaved Q4_K, Q4_0, AWQ4 (quant_blocks.h, x8_source): int32 lane c = output column c. Per
-// row, 8 maddubs results are summed in int16 (|q x + q x| <= 2 * 15 * 127, so never saturating)
-// before one vpmaddwd by the column's sub-block scale.
+// ---- 8-row interleaved Q4_K and 32-value types (quant_blocks.h, x8_source): int32 lane c = output
+// column c. Per row, a Q4_K sub-block's 8 registers of products are summed in int16 (|q x + q x| <=
+// 2 * 15 * 127, so never saturating) before one vpmaddwd by the column's sub-block scale, or with
+// VNNI summed by vpdpbusd in int32 before one vpmulld (x8_acc below); the same integers either way.
 
 static inline __m256i bcast32(const void* p) {
   int32_t v;
@@ -210,7 +211,39 @@ static inline __m256i bytes16(__m256i t, int j0, int j1) {
 // pins a value in a register at this point of the instruction stream (volatile asm statements
 // keep their order): stops the compiler from decoding every weight register of a block up front
 // and re-associating the running sums into a tree of spilled temporaries
+#ifdef QG_DPBUSD
+#define QG_KEEP(v) asm volatile("" : "+v"(v))
+#else
 #define QG_KEEP(v) asm volatile("" : "+x"(v))
+#endif
+
+// Per row and column, running sums of 4 u8 x s8 products: with VNNI (QG_DPBUSD, defined by the
+// AVX-512 kernel) one vpdpbusd straight into int32 lanes; otherwise vpmaddubsw summed in int16 lanes,
+// widened by one vpmaddwd. x8_acc adds one register's products (`first`: starting from zero),
+// x8_scaled gives the int32 sums times the per-column scale `s` in x8_scale's form, x8_widen
+// the plain int32 sums. Both give the same exact integers.
+#ifdef QG_DPBUSD
+static inline __m256i x8_acc(__m256i h, __m256i u, __m256i x, bool first) {
+  return QG_DPBUSD(first ? _mm256_setzero_si256() : h, u, x);
+}
+static inline __m256i x8_scale(__m256i t, int j) {  // byte j of each 32-bit lane of t, as int32
+  return lane_shuffle(t, 0x80808000u | static_cast<uint32_t>(j));
+}
+static inline __m256i x8_scaled(__m256i h, __m256i s) { return _mm256_mullo_epi32(h, s); }
+static inline __m256i x8_widen(__m256i h) { return h; }
+constexpr int kX8Int16Sums = 8;  // registers summed before widening: all of a block
+constexpr int kX8Rows = QG_X8_ROWS;  // rows per register set (32 ymm registers with AVX-512)
+#else
+static inline __m256i x8_acc(__m256i h, __m256i u, __m256i x, bool first) {
+  const __m256i p = _mm256_maddubs_epi16(u, x);
+  return first ? p : _mm256_add_epi16(h, p);
+}
+static inline __m256i x8_scale(__m256i t, int j) { return bytes16(t, j, j); }
+static inline __m256i x8_scaled(__m256i h, __m256i s) { return _mm256_madd_epi16(h, s); }
+static inline __m256i x8_widen(__m256i h) { return _mm256_madd_epi16(h, _mm256_set1_epi16(1)); }
+constexpr int kX8Int16Sums = 0;  // 0: as far as int16 cannot overflow (q0_x8_rows)
+constexpr int kX8Rows = 4;  // rows per register set (16 ymm registers)
+#endif
 
 // the rows' float results, column c in lane c, updated once per super-block in the same order as
 // quant_blocks.h: fma(float(isum), d * da), then fma(-float(msum), dmin * da)
@@ -259,7 +292,7 @@ __attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b,
   for (int cc = 0; cc < 4; ++cc) {
     const __m256i tab = cc < 2 ? t.sc03 : t.sc47;
     const int j = (2 * cc) & 3;
-    const __m256i sa = bytes16(tab, j, j), sb = bytes16(tab, j + 1, j + 1);
+    const __m256i sa = x8_scale(tab, j), sb = x8_scale(tab, j + 1);
     __m256i ha[MR], hb[MR];
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
@@ -269,15 +302,14 @@ __attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b,
       QG_KEEP(hi);
       for (int i = 0; i < MR; ++i) {
         const int8_t* x = r.xq[i0 + i] + b * 256 + 64 * cc + 4 * s;
-        const __m256i pa = _mm256_maddubs_epi16(lo, bcast32(x)), pb = _mm256_maddubs_epi16(hi, bcast32(x + 32));
-        ha[i] = s == 0 ? pa : _mm256_add_epi16(ha[i], pa);
-        hb[i] = s == 0 ? pb : _mm256_add_epi16(hb[i], pb);
+        ha[i] = x8_acc(ha[i], lo, bcast32(x), s == 0);
+        hb[i] = x8_acc(hb[i], hi, bcast32(x + 32), s == 0);
         QG_KEEP(ha[i]);
         QG_KEEP(hb[i]);
       }
     }
     for (int i = 0; i < MR; ++i)
-      acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(_mm256_madd_epi16(ha[i], sa), _mm256_madd_epi16(hb[i], sb)));
+      acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(x8_scaled(ha[i], sa), x8_scaled(hb[i], sb)));
   }
   for (int i = 0; i < MR; ++i) {
     // min term: sub-block pairs (2p, 2p + 1) against the row's sums of 32
@@ -292,7 +324,7 @@ __attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b,
 
 // The 32-value types, one group block (8 rows x 32 values) for rows i0..i0+MR: per row, the
 // maddubs of the quant registers (unsigned values x the row's int8 values) summed in int16 as
-// far as that cannot overflow (Q4_0 / AWQ4: 8 products of |q| <= 15, |sum| <= 8 * 2 * 15 * 127
+// far as that cannot overflow (with VNNI: vpdpbusd, all 8 in int32) (Q4_0 / AWQ4: 8 products of |q| <= 15, |sum| <= 8 * 2 * 15 * 127
 // < 2^15; Q5_0: 4 of |q| <= 31; Q8_0: 1, its signs moved onto x), then vpmaddwd to int32, minus
 // z * (sum of the row's 32 values): exactly sum (q - z) * x per column.
 struct Q0Group {
@@ -341,8 +373,7 @@ static inline void q0_group(const uint8_t* blk, Q0Group& g) {
 template <int Base, int MR>
 __attribute__((noinline)) static void q0_x8_rows(const Q0Group& g, int64_t b, const X8Rows& r, int i0) {
   // int16 sums of `lim` maddubs before one vpmaddwd (see above)
-  constexpr int lim = Base == kQ8_0 ? 1 : (Base == kQ5_0 ? 4 : 8);
-  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int lim = kX8Int16Sums ? kX8Int16Sums : (Base == kQ8_0 ? 1 : (Base == kQ5_0 ? 4 : 8));
   __m256i acc[MR], h[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -353,9 +384,8 @@ __attribute__((noinline)) static void q0_x8_rows(const Q0Group& g, int64_t b, co
     for (int i = 0; i < MR; ++i) {
       __m256i x = bcast32(r.xq[i0 + i] + b * 32 + off);
       if (Base == kQ8_0) x = _mm256_sign_epi8(x, g.sgn[s]);
-      const __m256i pq = _mm256_maddubs_epi16(g.v[s], x);
-      h[i] = s % lim == 0 ? pq : _mm256_add_epi16(h[i], pq);
-      if (s % lim == lim - 1) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(h[i], ones));
+      h[i] = x8_acc(h[i], g.v[s], x, s % lim == 0);
+      if (s % lim == lim - 1) acc[i] = _mm256_add_epi32(acc[i], x8_widen(h[i]));
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -367,19 +397,26 @@ __attribute__((noinline)) static void q0_x8_rows(const Q0Group& g, int64_t b, co
   }
 }
 
+// rows [0, mr) in register sets of kX8Rows, then 4, 2 and 1 rows: fn(std::integral_constant<int, MR>, i0)
+template <class F>
+static inline void x8_row_tiles(int mr, F&& fn) {
+  int i0 = 0;
+  if constexpr (kX8Rows >= 8)
+    for (; i0 + 8 <= mr; i0 += 8) fn(std::integral_constant<int, 8>(), i0);
+  for (; i0 + 4 <= mr; i0 += 4) fn(std::integral_constant<int, 4>(), i0);
+  for (; i0 + 2 <= mr; i0 += 2) fn(std::integral_constant<int, 2>(), i0);
+  for (; i0 < mr; ++i0) fn(std::integral_constant<int, 1>(), i0);
+}
+
 template <int Base>
 static void q0_x8_block(const uint8_t* blk, int64_t b, const X8Rows& r, int mr) {
-  constexpr int MR = 4;
   Q0Group g;
   q0_group<Base>(blk, g);
-  int i0 = 0;
-  for (; i0 + MR <= mr; i0 += MR) q0_x8_rows<Base, MR>(g, b, r, i0);
-  for (; i0 < mr; ++i0) q0_x8_rows<Base, 1>(g, b, r, i0);
+  x8_row_tiles(mr, [&](auto n, int i0) { q0_x8_rows<Base, decltype(n)::value>(g, b, r, i0); });
 }
 
 // One group of 8 interleaved columns [n, n + 8) for all rows: out[m * ldo + c], c = 0..7.
 static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
-  constexpr int MR = 4;
   const int base = base_type(p.type);
   const int qk = block_values(base);
   const int64_t nb = p.K / qk;
@@ -400,11 +437,9 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
     }
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = grp + b * gb;
-      int i0 = 0;
       if (base == kQ4_K) {
         const Q4KTables t = q4k_tables(blk);
-        for (; i0 + MR <= mr; i0 += MR) q4k_x8_rows<MR>(blk, b, t, r, i0);
-        for (; i0 < mr; ++i0) q4k_x8_rows<1>(blk, b, t, r, i0);
+        x8_row_tiles(mr, [&](auto n, int i0) { q4k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
       } else {
         switch (base) {
           case kQ4_0: q0_x8_block<kQ4_0>(blk, b, r, mr); break;
