@@ -161,7 +161,7 @@ def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
 
 
 X8 = int(Q.Q4_K) | quant.X8  # Q4_K with every 8 rows interleaved (csrc/cpu/quant_blocks.h)
-X8_TYPES = [int(Q.Q4_K), int(Q.Q4_0), int(Q.Q5_0), int(Q.Q8_0), quant.AWQ4]  # the types with the interleaved layout
+X8_TYPES = [int(Q.Q4_K), int(Q.Q6_K), int(Q.Q4_0), int(Q.Q5_0), int(Q.Q8_0), quant.AWQ4]  # the types with the interleaved layout
 
 
 @pytest.mark.parametrize("t", X8_TYPES, ids=_name)
@@ -212,13 +212,13 @@ def test_interleaved_bad_shapes_raise():
     with pytest.raises(RuntimeError, match="multiple of 8"):
         quant.interleave(w, int(Q.Q4_K))
     with pytest.raises(RuntimeError, match="no interleaved layout"):
-        quant.interleave(random_blocks(Q.Q6_K, 8, 512), int(Q.Q6_K))
+        quant.interleave(random_blocks(Q.Q5_K, 8, 512), int(Q.Q5_K))
     wx = quant.interleave(random_blocks(Q.Q4_K, 16, 512), int(Q.Q4_K))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         m.quant_linear(torch.randn(2, 512), [wx[:12]], [X8])
     with pytest.raises(RuntimeError, match="start at a multiple of 8"):
         m.quant_linear(torch.randn(2, 512), [random_blocks(Q.Q4_K, 4, 512), wx], [int(Q.Q4_K), X8])
-    assert quant.x8_type(int(Q.Q4_K), 12) is None and quant.x8_type(int(Q.Q6_K), 16) is None
+    assert quant.x8_type(int(Q.Q4_K), 12) is None and quant.x8_type(int(Q.Q6_K), 16) == int(Q.Q6_K) | quant.X8
     assert quant.x8_type(int(Q.Q5_K), 16) is None and quant.x8_type(int(Q.Q8_0), 12) is None
     assert quant.x8_type(int(Q.Q4_K), 16) == X8 and quant.x8_type(quant.AWQ4, 16) == quant.AWQ4 | quant.X8
 
@@ -228,10 +228,10 @@ def test_gguf_weight_interleaves_at_load_and_reads_back():
 
     _module()
     k = 512
-    q, v = random_blocks(Q.Q4_K, 16, k, 1), random_blocks(Q.Q6_K, 8, k, 2)
-    plain = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q6_K)])
-    inter = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q6_K)], interleave=True)
-    assert inter.types == [X8, int(Q.Q6_K)]  # Q6_K has no interleaved layout
+    q, v = random_blocks(Q.Q4_K, 16, k, 1), random_blocks(Q.Q5_K, 8, k, 2)
+    plain = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q5_K)])
+    inter = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q5_K)], interleave=True)
+    assert inter.types == [X8, int(Q.Q5_K)]  # Q5_K has no interleaved layout
     for wgt in (plain, inter):
         wgt.weight_loader(wgt.parts[0], q, "q")
         wgt.weight_loader(wgt.parts[1], v, "k")

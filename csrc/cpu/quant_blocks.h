@@ -20,7 +20,7 @@
 //                   y = fma(float(isum), d * da, y) and y = fma(-float(msum), dmin * da, y)
 //                   (Q6_K: dmin = 32 * d).
 //
-// Q4_K and the 32-value types also come in an 8-row interleaved layout (type | kX8, made once at load by
+// Q4_K, Q6_K and the 32-value types also come in an 8-row interleaved layout (type | kX8, made once at load by
 // interleave_x8): every group of 8 rows is stored as one run of blocks of 8 * block_bytes bytes
 // that holds exactly the bytes of the 8 rows' blocks, permuted (x8_source) so that one 32-byte
 // load gives 4 consecutive quant bytes of each of the 8 rows. The SIMD kernels then keep one
@@ -54,7 +54,7 @@ static inline int block_values(int type) {
 static inline int block_bytes(int type) {
   if (type & 0x100) {
     type &= 0xFF;
-    if (type == kQ5_K || type == kQ6_K) return 0;  // no interleaved layout (has_x8)
+    if (type == kQ5_K) return 0;  // no interleaved layout (has_x8)
   }
   switch (type) {
     case kQ4_0: return 18;
@@ -70,15 +70,12 @@ static inline int block_bytes(int type) {
 
 static inline bool is_k_type(int type) { return block_values(type) == 256; }
 
-// The 8-row interleaved layout flag (or-ed into a type id: Q4_K | kX8 = 268). Q4_K and the
-// 32-value types have it. Measured on AVX2 (Zen 3, 2 threads), an interleaved Q6_K kernel was 1.5x slower
-// than the plain one at 1 row on the ffn_down and LM-head shapes (its 6-bit values need two loads
-// and five more operations per register, amortized over no other row) for at most 1.9x at 8
-// rows, so Q6_K (and Q5_K) stay plain.
+// The 8-row interleaved layout flag (or-ed into a type id: Q4_K | kX8 = 268). Q4_K, Q6_K and the
+// 32-value types have it; Q5_K (not in the default pair) stays plain.
 constexpr int kX8 = 0x100;
 static inline bool is_x8(int type) { return (type & kX8) != 0; }
 static inline int base_type(int type) { return type & ~kX8; }
-static inline bool has_x8(int base) { return base != kQ5_K && base != kQ6_K && block_bytes(base) > 0; }
+static inline bool has_x8(int base) { return base != kQ5_K && block_bytes(base) > 0; }
 
 // Interleaved layout of one block of a group of 8 rows (8 * bb bytes): byte i comes from byte
 // `off` of row `c`'s plain block, returned as c * bb + off (-1 for a type without the layout).
@@ -94,7 +91,21 @@ static inline bool has_x8(int base) { return base != kQ5_K && base != kQ6_K && b
 //   Q5_0 (176): [0,16) d | [16,48) qh, one register (row c's 4 bytes at 4c) | [48,176) qs as Q4_0's.
 //   Q8_0 (272): [0,16) d | [16,272) qs as 8 registers, register s = qs[4 s .. 4 s + 3] (values
 //     4 s + t).
+//   Q6_K (1680): [0,16) d | [16,144) the 16 int8 scales as 4 registers (word w of row c: scales
+//     4w..4w+3) | [144,1680) 4 chunks of 384 bytes in the kernel's reading order, chunk 2 h + q
+//     (half h, quarter q; e = 0..3): qh[4 k .. 4 k + 3] for k = 8 h + 4 q + e, then ql registers
+//     k = 16 h + 4 q + e, then k = 16 h + 8 + 4 q + e (read in one forward pass: the weights
+//     stream from DRAM at the rate of the other types; ql and qh in two regions read
+//     alternately streamed at less than half of it).
 static inline int x8_source(int base, int i) {
+  if (base == kQ6_K) {
+    constexpr int bb = 210;
+    if (i < 16) return i / 2 * bb + 208 + i % 2;
+    if (i < 144) return (i - 16) % 32 / 4 * bb + 192 + 4 * ((i - 16) / 32) + (i - 16) % 4;
+    const int chunk = (i - 144) / 384, o = (i - 144) % 384, sec = o / 128, r = o % 32;
+    const int k = (sec == 0 ? 8 : 16) * (chunk / 2) + (sec == 2 ? 8 : 0) + 4 * (chunk % 2) + o % 128 / 32;
+    return r / 4 * bb + (sec == 0 ? 128 : 0) + 4 * k + r % 4;
+  }
   if (base == kQ4_K) {
     constexpr int bb = 144;
     if (i < 32) return (i % 16) / 2 * bb + (i < 16 ? 0 : 2) + i % 2;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
+
 #include "quant_blocks.h"
 
 namespace swiftspec {

@@ -87,15 +87,15 @@ static void decode(int type, const uint8_t* blk, Decoded& o) {
 // Where row c's plain block byte `off` lies in an interleaved group block of `base` blocks:
 // inverse of x8_source, c * bb + off -> index.
 static const int* x8_inverse(int base) {
-  static constexpr int kTypes[] = {kQ4_0, kQ5_0, kQ8_0, kQ4_K, kAWQ4};
-  static int tables[5][8 * 256];
+  static constexpr int kTypes[] = {kQ4_0, kQ5_0, kQ8_0, kQ4_K, kQ6_K, kAWQ4};
+  static int tables[6][8 * 256];
   static const bool ready = [] {
-    for (int k = 0; k < 5; ++k)
+    for (int k = 0; k < 6; ++k)
       for (int i = 0; i < 8 * block_bytes(kTypes[k]); ++i) tables[k][x8_source(kTypes[k], i)] = i;
     return true;
   }();
   (void)ready;
-  for (int k = 0; k < 5; ++k)
+  for (int k = 0; k < 6; ++k)
     if (kTypes[k] == base) return tables[k];
   return nullptr;
 }

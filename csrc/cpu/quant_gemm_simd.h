@@ -208,6 +208,11 @@ static inline __m256i lane_shuffle(__m256i t, uint32_t within) {
 static inline __m256i bytes16(__m256i t, int j0, int j1) {
   return lane_shuffle(t, 0x80008000u | (static_cast<uint32_t>(j1) << 16) | static_cast<uint32_t>(j0));
 }
+// int16 lanes (byte j0, byte j1) of each 32-bit lane of t, sign-extended
+static inline __m256i sbytes16(__m256i t, int j0, int j1) {
+  return _mm256_srai_epi16(
+      lane_shuffle(t, 0x00800080u | (static_cast<uint32_t>(j1) << 24) | (static_cast<uint32_t>(j0) << 8)), 8);
+}
 // pins a value in a register at this point of the instruction stream (volatile asm statements
 // keep their order): stops the compiler from decoding every weight register of a block up front
 // and re-associating the running sums into a tree of spilled temporaries
@@ -220,7 +225,8 @@ static inline __m256i bytes16(__m256i t, int j0, int j1) {
 // Per row and column, running sums of 4 u8 x s8 products: with VNNI (QG_DPBUSD, defined by the
 // AVX-512 kernel) one vpdpbusd straight into int32 lanes; otherwise vpmaddubsw summed in int16 lanes,
 // widened by one vpmaddwd. x8_acc adds one register's products (`first`: starting from zero),
-// x8_scaled gives the int32 sums times the per-column scale `s` in x8_scale's form, x8_widen
+// x8_scaled gives the int32 sums times the per-column scale `s` in the form of x8_scale (byte j of
+// every column's 32-bit word of scales, unsigned) or x8_sscale (signed), x8_widen
 // the plain int32 sums. Both give the same exact integers.
 #ifdef QG_DPBUSD
 static inline __m256i x8_acc(__m256i h, __m256i u, __m256i x, bool first) {
@@ -228,6 +234,9 @@ static inline __m256i x8_acc(__m256i h, __m256i u, __m256i x, bool first) {
 }
 static inline __m256i x8_scale(__m256i t, int j) {  // byte j of each 32-bit lane of t, as int32
   return lane_shuffle(t, 0x80808000u | static_cast<uint32_t>(j));
+}
+static inline __m256i x8_sscale(__m256i t, int j) {  // signed byte j of each 32-bit lane, as int32
+  return _mm256_srai_epi32(lane_shuffle(t, 0x00808080u | (static_cast<uint32_t>(j) << 24)), 24);
 }
 static inline __m256i x8_scaled(__m256i h, __m256i s) { return _mm256_mullo_epi32(h, s); }
 static inline __m256i x8_widen(__m256i h) { return h; }
@@ -239,6 +248,7 @@ static inline __m256i x8_acc(__m256i h, __m256i u, __m256i x, bool first) {
   return first ? p : _mm256_add_epi16(h, p);
 }
 static inline __m256i x8_scale(__m256i t, int j) { return bytes16(t, j, j); }
+static inline __m256i x8_sscale(__m256i t, int j) { return sbytes16(t, j, j); }
 static inline __m256i x8_scaled(__m256i h, __m256i s) { return _mm256_madd_epi16(h, s); }
 static inline __m256i x8_widen(__m256i h) { return _mm256_madd_epi16(h, _mm256_set1_epi16(1)); }
 constexpr int kX8Int16Sums = 0;  // 0: as far as int16 cannot overflow (q0_x8_rows)
@@ -318,6 +328,66 @@ __attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b,
     ms = _mm256_add_epi32(ms, _mm256_madd_epi16(bytes16(t.mn03, 2, 3), bcast32(xs + 2)));
     ms = _mm256_add_epi32(ms, _mm256_madd_epi16(bytes16(t.mn47, 0, 1), bcast32(xs + 4)));
     ms = _mm256_add_epi32(ms, _mm256_madd_epi16(bytes16(t.mn47, 2, 3), bcast32(xs + 6)));
+    x8_finish(r.f[i0 + i], acc[i], ms, t.d, t.dmin, r.xd[i0 + i][b]);
+  }
+}
+
+// Q6_K tables of one group super-block: d, dmin = 32 d (the -32 offset) and the 16 int8
+// sub-block scales of the 8 columns as 4 registers (word w of column c: scales 4w..4w+3).
+struct Q6KTables {
+  __m256 d, dmin;
+  __m256i sc[4];
+};
+
+static inline Q6KTables q6k_tables(const uint8_t* blk) {
+  Q6KTables t;
+  t.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  t.dmin = _mm256_mul_ps(t.d, _mm256_set1_ps(32.f));
+  for (int w = 0; w < 4; ++w) t.sc[w] = loadu(blk + 16 + 32 * w);
+  return t;
+}
+
+// Sub-block j (16 values) of half h, quarter q and kind v (ggml's dequantize_row_q6_K: v = 0..3
+// take ql's low nibbles, ql + 32's low, ql's high, ql + 32's high, with qh bits 2v, 2v + 1) is
+// j = 8 h + 2 v + q; its 4 registers e hold values 16 j + 4 e + t as u = q + 32 (0..63). Per row
+// the products go `lim` registers at a time into int16 (2 * 2 * 63 * 127 < 2^15) or, with VNNI,
+// all 4 into int32, then times the signed sub-block scale; the min term: sum_j sc_j * xs_j.
+template <int MR>
+__attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables& t, const X8Rows& r, int i0) {
+  constexpr int lim = kX8Int16Sums ? 4 : 2;
+  const __m256i k30 = _mm256_set1_epi8(0x30);
+  __m256i acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+  // fully unrolled: every offset a constant (a runtime half / quarter costs more address
+  // arithmetic than the products themselves)
+#pragma GCC unroll 4
+  for (int hq = 0; hq < 4; ++hq) {
+    const int h = hq / 2, q = hq % 2;
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const int j = 8 * h + 2 * v + q;
+      const __m256i sc = x8_sscale(t.sc[j / 4], j % 4);
+      __m256i hs[MR];
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) {
+        const uint8_t* chunk = blk + 144 + 384 * hq;  // quant_blocks.h: qh, ql, ql + 32 registers of (h, q)
+        const __m256i ql = loadu(chunk + 128 + 128 * (v & 1) + 32 * e);
+        const __m256i qh = loadu(chunk + 32 * e);
+        const __m256i hb = v == 0 ? _mm256_slli_epi16(qh, 4)
+                                  : (v == 1 ? _mm256_slli_epi16(qh, 2) : (v == 2 ? qh : _mm256_srli_epi16(qh, 2)));
+        const __m256i u = _mm256_or_si256(v < 2 ? nib_lo(ql) : nib_hi(ql), _mm256_and_si256(hb, k30));
+        for (int i = 0; i < MR; ++i) {
+          hs[i] = x8_acc(hs[i], u, bcast32(r.xq[i0 + i] + b * 256 + 16 * j + 4 * e), e % lim == 0);
+          if (e % lim == lim - 1) acc[i] = _mm256_add_epi32(acc[i], x8_scaled(hs[i], sc));
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const int16_t* xs = r.xs[i0 + i] + b * 16;
+    __m256i ms = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p)
+      ms = _mm256_add_epi32(ms, _mm256_madd_epi16(sbytes16(t.sc[p / 2], 2 * (p % 2), 2 * (p % 2) + 1), bcast32(xs + 2 * p)));
     x8_finish(r.f[i0 + i], acc[i], ms, t.d, t.dmin, r.xd[i0 + i][b]);
   }
 }
@@ -440,6 +510,9 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
       if (base == kQ4_K) {
         const Q4KTables t = q4k_tables(blk);
         x8_row_tiles(mr, [&](auto n, int i0) { q4k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
+      } else if (base == kQ6_K) {
+        const Q6KTables t = q6k_tables(blk);
+        x8_row_tiles(mr, [&](auto n, int i0) { q6k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
       } else {
         switch (base) {
           case kQ4_0: q0_x8_block<kQ4_0>(blk, b, r, mr); break;

@@ -29,7 +29,7 @@ class GGUFWeight(nn.Module):
         in_features: K, a multiple of every part's block size (32 or 256 values).
         part_sizes: output rows of each part (e.g. q, k, v sizes), summing to N.
         types: ggml type id of each part (:data:`swiftspec.ops.quant.GGML_TYPES`).
-        interleave: store the parts whose type has an 8-row interleaved layout (Q4_K, Q4_0, AWQ4, with a
+        interleave: store the parts whose type has an 8-row interleaved layout (Q4_K, Q6_K, the 32-value types; with a
             multiple of 8 rows) that way, for the kernels (:func:`swiftspec.ops.quant_x8_enabled`
             says whether they run here); ``types`` then holds the interleaved id.
 

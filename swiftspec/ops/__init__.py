@@ -24,7 +24,7 @@ from swiftspec.ops import reference
 
 # SWIFTSPEC_KERNELS=0 in the environment turns them off from the start (ablations, debugging)
 _state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0",
-          # SWIFTSPEC_QUANT_X8=0: GGUF Q4_K weights keep the file's plain layout (set_quant_x8)
+          # SWIFTSPEC_QUANT_X8=0: GGUF weights keep the file's plain layout (set_quant_x8)
           "x8": os.environ.get("SWIFTSPEC_QUANT_X8", "1") != "0"}
 
 
@@ -210,7 +210,7 @@ def set_quant_x8(enabled: bool) -> None:
 
 
 def quant_x8_enabled() -> bool:
-    """Whether GGUF weights built now should take the 8-row interleaved layout (Q4_K): the kernels
+    """Whether GGUF weights built now should take the 8-row interleaved layout: the kernels
     are on, the CPU extension loads and this CPU has a SIMD quantized GEMM (the scalar loop reads
     the plain layout faster). Measured in bench/native_forward.py (both layouts side by side)."""
     return _state["enabled"] and _state["x8"] and cpu_dispatch()["quant_gemm"] != "scalar"

@@ -7,7 +7,7 @@ tensor per weight whose row ``n`` is the ``K / QK`` blocks of output feature ``n
 :data:`AWQ4` blocks of 32 (:mod:`swiftspec.awq`). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``)
 reads those bytes in place; this module has the same arithmetic in PyTorch:
 
-* :func:`interleave` stores every 8 rows of Q4_K or a 32-value type interleaved (made once at load, read by the
+* :func:`interleave` stores every 8 rows of Q4_K, Q6_K or a 32-value type interleaved (made once at load, read by the
   SIMD kernels with one output column per lane), :func:`deinterleave` undoes it;
 * :func:`dequantize` turns blocks into float32 values (tested against the ``gguf`` library's
   ``gguf.quants.dequantize``, and for AWQ4 against autoawq's own dequantization), used for
@@ -30,7 +30,7 @@ import torch
 AWQ4 = 200
 
 # or-ed into a type id: the same blocks with every 8 rows interleaved (csrc/cpu/quant_blocks.h,
-# x8_source), made once at load for the kernels; Q4_K and the 32-value types
+# x8_source), made once at load for the kernels; Q4_K, Q6_K and the 32-value types
 X8 = 0x100
 
 # block type id -> (name, values per block, bytes per block), for the types with a kernel
@@ -43,6 +43,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
     AWQ4: ("AWQ4", 32, 20),
     12 | X8: ("Q4_K_X8", 256, 144),
+    14 | X8: ("Q6_K_X8", 256, 210),
     2 | X8: ("Q4_0_X8", 32, 18),
     6 | X8: ("Q5_0_X8", 32, 22),
     8 | X8: ("Q8_0_X8", 32, 34),
