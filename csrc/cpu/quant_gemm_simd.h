@@ -440,31 +440,39 @@ static inline void q0_group(const uint8_t* blk, Q0Group& g) {
   }
 }
 
+// Every block of one group for rows i0..i0+MR, the rows' results kept in registers from block to
+// block (one fma per row and block: a load and a store of them per block cost as much as the
+// products of a 4-bit block).
 template <int Base, int MR>
-__attribute__((noinline)) static void q0_x8_rows(const Q0Group& g, int64_t b, const X8Rows& r, int i0) {
+__attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int i0) {
   // int16 sums of `lim` maddubs before one vpmaddwd (see above)
   constexpr int lim = kX8Int16Sums ? kX8Int16Sums : (Base == kQ8_0 ? 1 : (Base == kQ5_0 ? 4 : 8));
-  __m256i acc[MR], h[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+  __m256 y[MR];
+  for (int i = 0; i < MR; ++i) y[i] = _mm256_loadu_ps(r.f[i0 + i]);
+  for (int64_t b = 0; b < nb; ++b) {
+    Q0Group g;
+    q0_group<Base>(grp + b * gb, g);
+    __m256i acc[MR], h[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-  for (int s = 0; s < 8; ++s) {
-    // register s holds values 4 s .. 4 s + 3 (Q8_0) or, for the 4-bit types, v[s] (s < 4) values
-    // 4 s + t and v[s] (s >= 4) values 16 + 4 (s - 4) + t: the same offsets 4 s within the block
-    const int off = Base == kQ8_0 ? 4 * s : (s < 4 ? 4 * s : 16 + 4 * (s - 4));
+    for (int s = 0; s < 8; ++s) {
+      // register s holds values 4 s .. 4 s + 3 (Q8_0) or, for the 4-bit types, v[s] (s < 4) values
+      // 4 s + t and v[s] (s >= 4) values 16 + 4 (s - 4) + t: the same offsets 4 s within the block
+      const int off = Base == kQ8_0 ? 4 * s : (s < 4 ? 4 * s : 16 + 4 * (s - 4));
+      for (int i = 0; i < MR; ++i) {
+        __m256i x = bcast32(r.xq[i0 + i] + b * 32 + off);
+        if (Base == kQ8_0) x = _mm256_sign_epi8(x, g.sgn[s]);
+        h[i] = x8_acc(h[i], g.v[s], x, s % lim == 0);
+        if (s % lim == lim - 1) acc[i] = _mm256_add_epi32(acc[i], x8_widen(h[i]));
+      }
+    }
     for (int i = 0; i < MR; ++i) {
-      __m256i x = bcast32(r.xq[i0 + i] + b * 32 + off);
-      if (Base == kQ8_0) x = _mm256_sign_epi8(x, g.sgn[s]);
-      h[i] = x8_acc(h[i], g.v[s], x, s % lim == 0);
-      if (s % lim == lim - 1) acc[i] = _mm256_add_epi32(acc[i], x8_widen(h[i]));
+      const __m256i zx = _mm256_mullo_epi32(g.z, _mm256_set1_epi32(r.xs32[i0 + i][b]));
+      const __m256 a = _mm256_set1_ps(r.xd[i0 + i][b]);
+      y[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i], zx)), _mm256_mul_ps(g.d, a), y[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    const __m256i zx = _mm256_mullo_epi32(g.z, _mm256_set1_epi32(r.xs32[i0 + i][b]));
-    const __m256i isum = _mm256_sub_epi32(acc[i], zx);
-    float* f = r.f[i0 + i];
-    const __m256 a = _mm256_set1_ps(r.xd[i0 + i][b]);
-    _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g.d, a), _mm256_loadu_ps(f)));
-  }
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(r.f[i0 + i], y[i]);
 }
 
 // rows [0, mr) in register sets of kX8Rows, then 4, 2 and 1 rows: fn(std::integral_constant<int, MR>, i0)
@@ -479,10 +487,8 @@ static inline void x8_row_tiles(int mr, F&& fn) {
 }
 
 template <int Base>
-static void q0_x8_block(const uint8_t* blk, int64_t b, const X8Rows& r, int mr) {
-  Q0Group g;
-  q0_group<Base>(blk, g);
-  x8_row_tiles(mr, [&](auto n, int i0) { q0_x8_rows<Base, decltype(n)::value>(g, b, r, i0); });
+static void q0_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {
+  x8_row_tiles(mr, [&](auto n, int i0) { q0_x8_rows<Base, decltype(n)::value>(grp, nb, gb, r, i0); });
 }
 
 // One group of 8 interleaved columns [n, n + 8) for all rows: out[m * ldo + c], c = 0..7.
@@ -505,22 +511,22 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
       r.f[i] = f + 8 * i;
       _mm256_store_ps(f + 8 * i, _mm256_setzero_ps());
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = grp + b * gb;
-      if (base == kQ4_K) {
-        const Q4KTables t = q4k_tables(blk);
-        x8_row_tiles(mr, [&](auto n, int i0) { q4k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
-      } else if (base == kQ6_K) {
-        const Q6KTables t = q6k_tables(blk);
-        x8_row_tiles(mr, [&](auto n, int i0) { q6k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
-      } else {
-        switch (base) {
-          case kQ4_0: q0_x8_block<kQ4_0>(blk, b, r, mr); break;
-          case kQ5_0: q0_x8_block<kQ5_0>(blk, b, r, mr); break;
-          case kQ8_0: q0_x8_block<kQ8_0>(blk, b, r, mr); break;
-          default: q0_x8_block<kAWQ4>(blk, b, r, mr); break;
+    switch (base) {  // 32-value types: each row tile through all blocks; K types: each block for all tiles
+      case kQ4_0: q0_x8_group<kQ4_0>(grp, nb, gb, r, mr); break;
+      case kQ5_0: q0_x8_group<kQ5_0>(grp, nb, gb, r, mr); break;
+      case kQ8_0: q0_x8_group<kQ8_0>(grp, nb, gb, r, mr); break;
+      case kAWQ4: q0_x8_group<kAWQ4>(grp, nb, gb, r, mr); break;
+      default:
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = grp + b * gb;
+          if (base == kQ4_K) {
+            const Q4KTables t = q4k_tables(blk);
+            x8_row_tiles(mr, [&](auto n, int i0) { q4k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
+          } else {
+            const Q6KTables t = q6k_tables(blk);
+            x8_row_tiles(mr, [&](auto n, int i0) { q6k_x8_rows<decltype(n)::value>(blk, b, t, r, i0); });
+          }
         }
-      }
     }
     for (int i = 0; i < mr; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, _mm256_load_ps(f + 8 * i));
   }
