@@ -175,38 +175,61 @@ class EngineConfig:
         return cls(**data)
 
 
-def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dict | None = None) -> tuple[str, str]:
+def choose_mode(config: EngineConfig, target_native: bool = False,
+                profiled: dict | None = None) -> tuple[str, str, dict]:
     """The mode to run and why: ``config.mode`` unless it is "auto".
 
     "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
     pair when one is stored (``profiled``, :func:`swiftspec.machine_profile.cached_profile`).
     Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA
-    nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one bus: a target on GGUF
-    blocks (``target_native``) whose quantized kernel has no VNNI (AVX2 or scalar: an 8-row
-    verification is compute bound, ~3.4x a one-token step) decodes fastest ``autoregressive``
-    (run 10: 9.84 tokens/s against 8.38 for the best ``serial``; run 15, with draft and target
-    weights interleaved: the best ``serial`` 1.06x, within the noise of its 6 prompts); otherwise ``serial`` on all
-    cores beats ``async`` (runs 6/7), since splitting the bus slows the target more than
-    overlapping saves. Returns ``(mode, reason)``.
+    nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one
+    bus and the target reads its GGUF blocks (``target_native``), the default pair's draft forward
+    costs ~0.35x the target's and a verification of n nodes grows with n: with AVX-512 VNNI,
+    ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes fastest
+    (run 16: 1.11x ``autoregressive``, where bs 4 with 3 expansions was 0.95x); without VNNI
+    (AVX2, scalar) ``autoregressive`` (run 15: bs 4 1.06x, within the noise of its 6 prompts; the
+    shallow tree not yet measured there). With dequantized weights (each forward reads 3-6x the
+    bytes, so several nodes cost little more than one) ``serial`` on all cores beats ``async``
+    (runs 6/7), since splitting the bus slows the target more than overlapping saves.
+
+    Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
+    ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
+    ``{}`` when the mode was configured or the configuration sets its own shape.
     """
     if config.mode != "auto":
-        return config.mode, "as configured"
+        return config.mode, "as configured", {}
+    own = _user_tree(config)
     if profiled is not None and profiled.get("mode") in MODES:
         measured = profiled.get("_measured") or {}
+        tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}
         return profiled["mode"], (f"auto: swiftspec profile of {measured.get('date', '?')} measured it fastest "
-                                  f"on this machine and model pair ({measured.get('tokens_per_s', 0):.2f} tokens/s)")
-    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
-    cores = len(_available_cores())
+                                  f"on this machine and model pair ({measured.get('tokens_per_s', 0):.2f} tokens/s)"), tree
+    nodes, cores = _numa_nodes(), len(_available_cores())
     if nodes >= 2 and cores >= 2:
-        return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group"
+        return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}
     if target_native and config.weights == "native":
         from swiftspec import ops
 
         isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
-        if isa != "avx512_vnni":
-            return "autoregressive", (f"auto: quantized GEMM on {isa}, where a verification batch costs "
-                                      "more than the tokens it saves")
-    return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async"
+        if isa == "avx512_vnni":
+            return "serial", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
+                              f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
+                {} if own else dict(SHALLOW_TREE)
+        return "autoregressive", (f"auto: {cores} cores share one memory bus and the target reads its quantized "
+                                  f"blocks ({isa}), where the draft's expansions cost more than the tokens they save"), {}
+    return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async", {}
+
+
+# The tree shape of the built-in rule's shallow serial mode (choose_mode): verify the root and
+# the draft's best child, one draft expansion per verification.
+SHALLOW_TREE = {"bs": 2, "d": 1}
+_TREE_FIELDS = ("bs", "w", "topk", "d")
+
+
+def _user_tree(config: EngineConfig) -> bool:
+    """Whether the configuration sets a tree field to other than its default (its shape wins)."""
+    dflt = EngineConfig()
+    return any(getattr(config, k) != getattr(dflt, k) for k in _TREE_FIELDS)
 
 
 def cpu_has_bf16() -> bool:
@@ -216,6 +239,10 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _numa_nodes() -> int:
+    return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
 
 
 def _available_cores() -> list[int]:
@@ -287,8 +314,8 @@ class Engine:
 
             draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
             profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
-        mode, self.mode_reason = choose_mode(config, bool(native_types(self.target_path)), profiled)
-        self.config = config = replace(config, mode=mode)
+        mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)), profiled)
+        self.config = config = replace(config, mode=mode, **tree)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False

@@ -156,13 +156,27 @@ def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, mon
     from swiftspec import engine, machine_profile
 
     auto = engine.EngineConfig()
-    assert engine.choose_mode(engine.EngineConfig(mode="serial"), True, {"mode": "async"}) == ("serial", "as configured")
-    mode, why = engine.choose_mode(auto, True, None)  # no profile: the built-in rule says why
+    assert engine.choose_mode(engine.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
+        "serial", "as configured", {})
+    mode, why, tree = engine.choose_mode(auto, True, None)  # no profile: the built-in rule says why
     assert mode in engine.MODES and why.startswith("auto: ")
-    profiled = {"mode": "async", "_measured": {"date": "2026-11-23 10:00", "tokens_per_s": 12.5}}
+    assert tree in ({}, engine.SHALLOW_TREE) and (tree == engine.SHALLOW_TREE) == ("bs 2, d 1" in why)
+    # the rule's shallow tree on a VNNI CPU; a shape the user sets wins
+    monkeypatch.setattr(engine, "_available_cores", lambda: [0, 1])
+    monkeypatch.setattr(engine, "_numa_nodes", lambda: 1)
+    from swiftspec import ops
+    for isa, want in (("avx512_vnni", ("serial", engine.SHALLOW_TREE)), ("avx2", ("autoregressive", {}))):
+        monkeypatch.setattr(ops, "cpu_dispatch", lambda isa=isa: {"quant_gemm": isa})
+        mode, why, tree = engine.choose_mode(auto, True, None)
+        assert (mode, tree) == want and isa in why
+    assert engine.choose_mode(engine.EngineConfig(bs=4), True, None)[2] == {}
+    assert engine.choose_mode(auto, False, None)[:1] == ("serial",)  # dequantized target: the default tree
+    profiled = {"mode": "async", "bs": 6, "w": 2, "topk": 2, "d": 3,
+                "_measured": {"date": "2026-11-23 10:00", "tokens_per_s": 12.5}}
     assert engine.choose_mode(auto, True, profiled) == (
         "async", "auto: swiftspec profile of 2026-11-23 10:00 measured it fastest on this machine and model "
-        "pair (12.50 tokens/s)")
+        "pair (12.50 tokens/s)", {"bs": 6, "w": 2, "topk": 2, "d": 3})
+    assert engine.choose_mode(engine.EngineConfig(w=4), True, profiled)[2] == {}
     assert engine.choose_mode(auto, True, {"mode": "warp"})[0] != "warp"  # a broken record is ignored
     # stored per machine and pair, atomically; another pair or a corrupt file has none
     t, d, other = tmp_path / "t", tmp_path / "d", tmp_path / "o"
