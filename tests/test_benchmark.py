@@ -208,7 +208,7 @@ def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
 
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's run-13 and run-15 numbers are those of their records."""
+    the README's run-13, run-15 and run-16 numbers are those of their records."""
     import importlib.util
     from pathlib import Path
 
@@ -228,5 +228,12 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             rows15.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
     assert (rows15["swiftspec-profiled"], rows15["autoregressive"], rows15["llama-cpp"]) == ("23.43", "22.03", "22.18")
     assert "`serial` bs 4 decodes 23.4 tokens/s, 1.06x our `autoregressive` (22.0)" in " ".join(readme.split())
+    rows16 = {}
+    for line in out["run16-avx512-6x2-shallow.json"].splitlines():
+        if line.startswith("| "):
+            rows16.setdefault(line.split("|")[1].strip(), line.split("|")[8:10])
+    for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
+        tps, ratio = rows16[system]
+        assert f"| {tps.strip()} | {ratio.strip()} |" in readme, system
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
