@@ -174,9 +174,9 @@ def test_kernel_bench_quant_cases():
     for c in cases:
         s = c.summary()
         int4 = {"torch int4 (bf16, group 32)"} if "AWQ4" in c.shape else set()
-        # Q4_K and AWQ4 run interleaved as the engine loads them, with the file's plain layout beside
+        # every type runs interleaved as the engine loads it, with the file's plain layout beside
         plain = {"ours, plain layout"} if "_X8" in c.shape else set()
-        assert ("_X8" in c.shape) == (ops.quant_x8_enabled() and "Q6_K" not in c.shape)
+        assert ("_X8" in c.shape) == ops.quant_x8_enabled()
         assert {f"ours, {i} kernel" for i in ext.quant_impls()[1:]} | {
             "kernels off (int8 x fp32, PyTorch)", "F.linear fp32 dequantized", "F.linear bf16 dequantized"} | int4 \
             | plain == set(s["baselines"])

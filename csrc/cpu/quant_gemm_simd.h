@@ -358,8 +358,7 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
   const __m256i k30 = _mm256_set1_epi8(0x30);
   __m256i acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
-  // fully unrolled: every offset a constant (a runtime half / quarter costs more address
-  // arithmetic than the products themselves)
+  // fully unrolled: every offset a constant
 #pragma GCC unroll 4
   for (int hq = 0; hq < 4; ++hq) {
     const int h = hq / 2, q = hq % 2;

@@ -222,8 +222,8 @@ def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> list[Case]:
     """The default target's GGUF layers (Q4_K gate+up, Q6_K down_proj, K = 1536 / 8960) and its
     gate+up as an AWQ checkpoint would load (AWQ4 blocks): our quantized GEMM on the blocks in place
-    (``auto`` = the ISA dispatch picks; every other kernel this CPU runs is listed beside it; Q4_K
-    and AWQ4 in the interleaved layout the engine loads, the file's plain layout beside it) vs
+    (``auto`` = the ISA dispatch picks; every other kernel this CPU runs is listed beside it; each
+    type in the interleaved layout the engine loads, the file's plain layout beside it) vs
     the kernels-off PyTorch path of the same arithmetic (int8 activations x dequantized fp32
     weights) and vs ``F.linear`` on weights dequantized to fp32 and bf16 once. torch's int4 CPU
     kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations) is a baseline for AWQ4 only: its
