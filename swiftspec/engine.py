@@ -186,7 +186,7 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     bus and the target reads its GGUF blocks (``target_native``), the default pair's draft forward
     costs ~0.35x the target's and a verification of n nodes grows with n: with AVX-512 VNNI,
     ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes fastest
-    (run 16: 1.11x ``autoregressive``, where bs 4 with 3 expansions was 0.95x); without VNNI
+    (run 16: 1.06x ``autoregressive`` on 30 prompts, 1.11x on 12, where bs 4 with 3 expansions was 0.95x); without VNNI
     (AVX2, scalar) ``autoregressive`` (run 15: bs 4 1.06x, within the noise of its 6 prompts; the
     shallow tree not yet measured there). With dequantized weights (each forward reads 3-6x the
     bytes, so several nodes cost little more than one) ``serial`` on all cores beats ``async``

@@ -229,7 +229,7 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     assert (rows15["swiftspec-profiled"], rows15["autoregressive"], rows15["llama-cpp"]) == ("23.43", "22.03", "22.18")
     assert "`serial` bs 4 decodes 23.4 tokens/s, 1.06x our `autoregressive` (22.0)" in " ".join(readme.split())
     rows16 = {}
-    for line in out["run16-avx512-6x2-shallow.json"].splitlines():
+    for line in out["run16-avx512-6x5-shallow.json"].splitlines():
         if line.startswith("| "):
             rows16.setdefault(line.split("|")[1].strip(), line.split("|")[8:10])
     for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
