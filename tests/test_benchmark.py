@@ -113,7 +113,8 @@ def test_profile_confirms_a_sweep_winner_against_the_defaults():
 
 
 def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, capsys, monkeypatch):
-    """`swiftspec profile` measures the split, the shared (serial) allocation and the target alone,
+    """`swiftspec profile` measures the split, the shared (serial) allocation (default and shallow
+    tree) and the target alone,
     prints every candidate, writes a configuration the engine runs with the target's own greedy
     output, and stores its mode for mode="auto" on this machine and pair."""
     from swiftspec import machine_profile
@@ -132,7 +133,9 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| sweep")]
     modes = [line.split("|")[2].strip() for line in rows]
-    assert modes.count("async") == 3 and modes.count("serial") == 3, printed  # auto d plus two more each
+    # auto d plus two more each; serial also with the shallow tree (bs 2, d 1)
+    assert modes.count("async") == 3 and modes.count("serial") == 4, printed
+    assert any(line.split("|")[5:8] == [" 2 ", " 2 ", " 1 "] for line in rows if "| serial |" in line), printed
     assert modes.count("autoregressive") == 1, printed
     assert printed.count("**chosen**") == 1 and "chosen: " in printed
     cfg = EngineConfig.from_json(out)

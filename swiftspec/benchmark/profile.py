@@ -9,7 +9,8 @@ to end on calibration prompts and write the chosen configuration as JSON for
 ``Engine(config=...)`` / ``swiftspec generate --config``.
 
 Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
-where draft and target take turns on every device; and so is the target alone
+where draft and target take turns on every device, with the default tree and with the shallow one
+(``engine.SHALLOW_TREE``: bs 2, one expansion; bench/RESULTS.md run 16); and so is the target alone
 (``autoregressive``), which wins where a verification batch costs more than it saves. The paper's
 GPUs gain from splitting because a group's speed grows slowly with its size; on a few CPU cores
 the target's speed is about proportional to its cores (bench/RESULTS.md: 8-row verification 182
@@ -124,7 +125,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     from transformers import AutoTokenizer
 
     from swiftspec.benchmark.e2e import load_prompts
-    from swiftspec.engine import Engine, EngineConfig
+    from swiftspec.engine import SHALLOW_TREE, Engine, EngineConfig
     from swiftspec.loader import resolve_model
     from swiftspec.sampling import SamplingParams
 
@@ -168,7 +169,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
         return out
 
     rows: list[dict] = []
-    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 3, desc="candidates", file=sys.stderr,
+    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 4, desc="candidates", file=sys.stderr,
                disable=not progress)
     for t_dev, d_dev in splits:
         for bs, w in shapes:
@@ -177,6 +178,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
             rows += run(base, explore_d=True)
     rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"}, explore_d=True)
+    # the shallow tree (root and best child, one expansion): where verifying a node costs nearly a step
+    rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
+                 "bs": SHALLOW_TREE["bs"], "w": dflt.w, "d": SHALLOW_TREE["d"]})
     # the target alone: where a verification batch costs more than the tokens it saves, the fastest
     rows += run({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"})
