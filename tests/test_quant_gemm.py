@@ -243,3 +243,9 @@ def test_gguf_weight_interleaves_at_load_and_reads_back():
     assert torch.equal(table.rows(ids), quant.dequantize(q, int(Q.Q4_K))[ids])
     for a, b in zip(inter.dequantized(), plain.dequantized()):
         assert torch.equal(a, b)
+    # a part that would start inside a group of 8 output columns keeps the plain layout
+    odd = GGUFWeight(k, [12, 16], [int(Q.Q8_0), int(Q.Q4_K)], interleave=True)
+    assert odd.types == [int(Q.Q8_0), int(Q.Q4_K)]
+    odd.weight_loader(odd.parts[0], random_blocks(Q.Q8_0, 12, k, 3), "q")
+    odd.weight_loader(odd.parts[1], q, "k")
+    assert torch.equal(odd.matmul(x)[:, 12:], plain.matmul(x)[:, :16])

@@ -46,8 +46,11 @@ class GGUFWeight(nn.Module):
                 raise ValueError(f"ggml type {t} has no quantized kernel")
         self.in_features = in_features
         self.types = [int(t) for t in types]
-        if interleave:  # the layout is fixed here, when the layer is built
-            self.types = [quant.x8_type(t, n) or t for n, t in zip(part_sizes, self.types)]
+        if interleave:  # the layout is fixed here, when the layer is built; an interleaved part must
+            # start at a multiple of 8 output columns (the kernels take whole groups of 8)
+            starts = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+            self.types = [(quant.x8_type(t, n) if s % 8 == 0 else None) or t
+                          for s, n, t in zip(starts, part_sizes, self.types)]
         self.parts = nn.ParameterList(
             nn.Parameter(torch.empty(n, quant.row_bytes(t, in_features), dtype=torch.uint8), requires_grad=False)
             for n, t in zip(part_sizes, self.types))
