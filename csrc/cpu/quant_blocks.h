@@ -44,19 +44,22 @@ namespace quant {
 // (value l < 16: low nibble of byte l, value 16 + l: its high nibble); w = d * (q - z), exact.
 enum GgmlType : int { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kAWQ4 = 200 };
 
-// Values per block: 256 for the K (super-block) types, 32 for the others.
+// The 8-row interleaved layout flag (or-ed into a type id: Q4_K | kX8 = 268). Q4_K, Q6_K and the
+// 32-value types have it; Q5_K (not in the default pair) stays plain.
+constexpr int kX8 = 0x100;
+static inline bool is_x8(int type) { return (type & kX8) != 0; }
+static inline int base_type(int type) { return type & ~kX8; }
+
+// Values per block: 256 for the K (super-block) types, 32 for the others (either layout).
 static inline int block_values(int type) {
-  type &= 0xFF;
+  type = base_type(type);
   return type >= kQ4_K && type <= kQ6_K ? 256 : 32;
 }
 
-// Bytes per block, 0 for a type without a kernel.
+// Bytes per block, 0 for a type without a kernel (in that layout).
 static inline int block_bytes(int type) {
-  if (type & 0x100) {
-    type &= 0xFF;
-    if (type == kQ5_K) return 0;  // no interleaved layout (has_x8)
-  }
-  switch (type) {
+  if (is_x8(type) && base_type(type) == kQ5_K) return 0;  // no interleaved layout (has_x8)
+  switch (base_type(type)) {
     case kQ4_0: return 18;
     case kQ5_0: return 22;
     case kQ8_0: return 34;
@@ -70,11 +73,7 @@ static inline int block_bytes(int type) {
 
 static inline bool is_k_type(int type) { return block_values(type) == 256; }
 
-// The 8-row interleaved layout flag (or-ed into a type id: Q4_K | kX8 = 268). Q4_K, Q6_K and the
-// 32-value types have it; Q5_K (not in the default pair) stays plain.
-constexpr int kX8 = 0x100;
-static inline bool is_x8(int type) { return (type & kX8) != 0; }
-static inline int base_type(int type) { return type & ~kX8; }
+// Whether a (plain) block type has the interleaved layout.
 static inline bool has_x8(int base) { return base != kQ5_K && block_bytes(base) > 0; }
 
 // Interleaved layout of one block of a group of 8 rows (8 * bb bytes): byte i comes from byte

@@ -24,6 +24,10 @@ class VocabParallelEmbedding(nn.Module):
     ``weight`` is None) and the looked-up rows are dequantized.
     """
 
+    # whether GGUF blocks may take the kernels' interleaved layout: not for a table of row lookups
+    # (an embedding, also the table of a tied head); an LM head's matmul reads them (True there)
+    interleave_blocks = False
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = LOCAL, dtype=torch.float32,
                  gguf_type: int | None = None):
         super().__init__()
@@ -36,10 +40,8 @@ class VocabParallelEmbedding(nn.Module):
         if gguf_type is not None:
             if tp.size != 1:
                 raise ValueError("GGUF block weights are supported at TP = 1 only")
-            # an LM head's blocks may take the kernels' interleaved layout; an embedding table
-            # (row lookups, also the table of a tied head) stays plain
             self.native = GGUFWeight(hidden_size, [vocab_size], [gguf_type],
-                                     interleave=isinstance(self, ParallelLMHead) and ops.quant_x8_enabled())
+                                     interleave=self.interleave_blocks and ops.quant_x8_enabled())
             self.register_parameter("weight", None)
             return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
@@ -69,6 +71,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     frequent tokens, FR-Spec style: BPE vocabularies put frequent merges first), which cuts the
     LM head's weight traffic by ``V / limit``.
     """
+
+    interleave_blocks = True
 
     def quantize_int8_(self, keep_float: bool) -> None:
         """Int8 weight-only LM head; ``keep_float`` keeps the float table (tied embeddings).
