@@ -9,9 +9,10 @@ worker thread that forwards the engine's stream chunks to the event loop; a clie
 disconnects sets a flag the thread checks at every chunk, and closing the engine's stream cancels
 the request in the workers (:meth:`swiftspec.engine.Engine.stream`), so the engine is free for
 the next request one iteration later. A dead worker (:class:`~swiftspec.engine.WorkerError`)
-gives the request in flight 503 and the engine is restarted before the next queued request runs
-(queued requests wait; the restart takes as long as an engine start, seconds once the models are
-converted).
+gives the request in flight 503 at once; the engine is then restarted in the background while
+holding the slot, so queued requests wait for it (they are not failed) and ``/health`` answers 503
+``{"status": "restarting"}`` meanwhile. The restart takes as long as an engine start (models
+already converted in the cache; the ``swiftspec_engine_restart_seconds`` gauge has the last one).
 """
 
 import asyncio
@@ -44,6 +45,8 @@ class Metrics:
                                      registry=r, buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
         self.queue = Gauge("swiftspec_queue_depth", "requests waiting for the engine", registry=r)
         self.restarts = Counter("swiftspec_engine_restarts", "engine restarts after a worker died", registry=r)
+        self.restart_s = Gauge("swiftspec_engine_restart_seconds", "duration of the last engine restart",
+                               registry=r)
 
     def record(self, out) -> None:
         m = out.metrics
@@ -70,6 +73,13 @@ class EngineHost:
         self.metrics = Metrics()
         self._lock = asyncio.Lock()  # fair: waiters acquire in arrival order
         self._waiting = 0
+        self._restart_pending = False  # set by run() when a worker died; handled when the slot ends
+        self._restart_task: asyncio.Task | None = None
+        self.restart_error: str | None = None  # why the last restart failed (None: the engine is up)
+
+    @property
+    def restarting(self) -> bool:
+        return self._restart_task is not None and not self._restart_task.done()
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -85,9 +95,30 @@ class EngineHost:
             self._waiting -= 1
             self.metrics.queue.set(self._waiting)
         try:
+            if self.restart_error is not None:  # the last restart failed: try again for this request
+                await asyncio.get_running_loop().run_in_executor(None, self._restart)
+                if self.restart_error is not None:
+                    raise APIError(503, f"the engine could not be restarted: {self.restart_error}")
             yield
         finally:
+            if self._restart_pending:  # the slot passes to the restart; queued requests wait for it
+                self._restart_pending = False
+                self._restart_task = asyncio.get_running_loop().create_task(self._restart_then_release())
+            else:
+                self._lock.release()
+
+    async def _restart_then_release(self) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._restart)
+        finally:
             self._lock.release()
+
+    async def aclose(self) -> None:
+        """Stop the engine's workers, after a restart in progress (which would start new ones)."""
+        if self._restart_task is not None:
+            with contextlib.suppress(Exception):
+                await self._restart_task
+        self.engine.close()
 
     def _produce(self, prompt, params, chat: bool, put, cancel: threading.Event) -> None:
         """Worker thread: run the engine's stream, hand each chunk to ``put``; stop at ``cancel``."""
@@ -106,12 +137,22 @@ class EngineHost:
             put(("end", None))
 
     def _restart(self) -> None:
+        """Close the engine (every worker stopped) and start a new one; a failure is kept in
+        ``restart_error`` (the next request retries) instead of raised."""
         t0 = time.perf_counter()
         with contextlib.suppress(Exception):
             self.engine.close()
-        self.engine = self.make_engine()
+        try:
+            self.engine = self.make_engine()
+        except Exception as e:  # noqa: BLE001 - reported to the next request and in the log
+            self.restart_error = f"{type(e).__name__}: {e}"
+            print(f"swiftspec serve: engine restart failed: {self.restart_error}", flush=True)
+            return
+        self.restart_error = None
+        dt = time.perf_counter() - t0
         self.metrics.restarts.inc()
-        print(f"swiftspec serve: engine restarted after a worker died ({time.perf_counter() - t0:.1f} s)", flush=True)
+        self.metrics.restart_s.set(dt)
+        print(f"swiftspec serve: engine restarted after a worker died ({dt:.1f} s)", flush=True)
 
     async def run(self, prompt, params, chat: bool) -> AsyncIterator:
         """Yield the engine's :class:`~swiftspec.engine.StreamChunk` s for one request, after
@@ -143,15 +184,14 @@ class EngineHost:
                 cancel.set()
                 with anyio_shield():  # the engine must be idle before the next request runs
                     await thread
-                    failed = error is not None and not isinstance(error, (ValueError, TypeError))
-                    if failed:  # a dead worker (WorkerError), or its pipe gone (OSError)
-                        await loop.run_in_executor(None, self._restart)
+                # a dead worker (WorkerError), or its pipe gone (OSError): restart when the slot ends
+                self._restart_pending = error is not None and not isinstance(error, (ValueError, TypeError))
             if isinstance(error, (ValueError, TypeError)):
                 raise APIError(400, str(error))
             if error is not None:
                 cause = "a worker died" if isinstance(error, (WorkerError, EngineError)) else type(error).__name__
                 detail = str(error).splitlines()[0] if str(error) else ""
-                raise APIError(503, f"the engine failed ({cause}: {detail}) and was restarted; retry the request")
+                raise APIError(503, f"the engine failed ({cause}: {detail}); it is restarting, retry the request")
 
 
 def anyio_shield():
@@ -173,7 +213,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        host.engine.close()  # uvicorn's graceful shutdown (SIGINT/SIGTERM): no worker outlives the server
+        await host.aclose()  # uvicorn's graceful shutdown (SIGINT/SIGTERM): no worker outlives the server
 
     app = FastAPI(title="SwiftSpec", version="0.1", lifespan=lifespan)
     metrics = host.metrics
@@ -202,6 +242,10 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
 
     @app.get("/health")
     async def health():
+        if host.restarting:
+            return JSONResponse({"status": "restarting"}, status_code=503)
+        if host.restart_error is not None:
+            return JSONResponse({"status": "failed", "error": host.restart_error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

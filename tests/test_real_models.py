@@ -100,3 +100,32 @@ def test_default_pair_answers_sensibly(pair):
                            SamplingParams(max_tokens=48))
     assert "def " in out.text and "return" in out.text
     assert out.metrics.compression_ratio > 1.5
+
+
+def test_greedy_text_over_http_equals_generate(pair):
+    """`swiftspec serve` (default pair, default configuration) answers a greedy chat request with
+    exactly the text `swiftspec generate` prints for the same prompt."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "server_load.py"
+    spec = importlib.util.spec_from_file_location("server_load", path)
+    sl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sl)
+    prompt = _first_prompts()["humaneval"]
+    gen = subprocess.run([sys.executable, "-m", "swiftspec", "generate", "--json", "--max-tokens", "48",
+                          "--prompt", prompt], capture_output=True, text=True, timeout=900)
+    assert gen.returncode == 0, gen.stderr
+    expected = json.loads(gen.stdout.strip().splitlines()[-1])["text"]
+    server = sl.Server([])
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=900,
+                       json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 48, "temperature": 0})
+    finally:
+        assert server.stop() == []
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == expected and expected
