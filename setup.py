@@ -36,7 +36,7 @@ setup(
     install_requires=["torch>=2.5", "numpy", "safetensors", "tokenizers>=0.19", "transformers>=4.45", "gguf>=0.10",
                       "jinja2", "tqdm",
                       # swiftspec serve
-                      "fastapi", "uvicorn", "prometheus-client",
+                      "fastapi", "uvicorn[standard]", "prometheus-client",  # [standard]: uvloop + httptools
                       # the CPU twins (csrc/cpu) are JIT-built by torch.utils.cpp_extension on first use
                       "ninja", "pybind11"],
     extras_require={

@@ -13,12 +13,13 @@ has restarted, and the restart's duration is read from ``/metrics``.
 ``overhead``: the same engine twice, one in this process (``Engine.stream``) and one behind
 ``swiftspec serve``, alternating which goes first per prompt; greedy chat requests on
 ``--prompts`` prompts (the six sets in turn), both timed by the client: TTFT = request to first
-text, decode tokens/s = (tokens - 1) / (last text - first text). Reports medians and the spread
+text, decode tokens/s = (tokens - 1) / (last text - first text); the HTTP client is built once
+and kept open, as API clients do. Reports medians and the spread
 of the paired differences, and whether the texts are equal.
 
-    python bench/server_load.py soak --requests 50 --out bench/results/server-soak-avx512.json
-    python bench/server_load.py overhead --prompts 10 --max-tokens 64 \\
-        --out bench/results/server-overhead-avx512.json
+    python bench/server_load.py soak --requests 50 --out bench/results/server-soak-xeon-avx512.json
+    python bench/server_load.py overhead --prompts 10 --repeats 3 --max-tokens 64 \\
+        --out bench/results/server-overhead-xeon-avx512.json
 
 Both print a summary and write JSON (``--out``) with the machine, argv and every request.
 """
@@ -241,7 +242,7 @@ def one_request(url: str, kind: str, prompt: str, rng: random.Random, headers: d
                 text = ch["message"]["content"] if chat else ch["text"]
                 ok = isinstance(text, str) and ch["finish_reason"] in ("stop", "length") and \
                     r.json()["usage"]["completion_tokens"] >= 1
-                rec.update(finish_reason=ch["finish_reason"], chars=len(text))
+                rec.update(finish_reason=ch["finish_reason"], chars=len(text), mode=r.json()["swiftspec"]["mode"])
             rec.update(status=r.status_code, ok=ok)
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -273,6 +274,7 @@ def soak(url: str, server: Server | None, prompts: list[str], requests: int = 50
            "bad": sum(r["kind"] in BAD for r in records),
            "bad_refused_400": sum(r["ok"] for r in records if r["kind"] in BAD),
            "cancelled": sum(r["kind"] == "cancel" for r in records),
+           "modes": sorted({r["mode"] for r in records if "mode" in r}),
            "failed": [r for r in records if not r["ok"]], "records": records}
     if len(rss) == 2:
         a, b = (rss[k] for k in sorted(rss))
@@ -317,13 +319,15 @@ def _direct(engine, prompt: str, params) -> dict:
             else float("nan"), "text": text, "engine_tokens_per_s": out.metrics.tokens_per_s}
 
 
-def _http(url: str, prompt: str, max_tokens: int) -> dict:
+def _http(client: httpx.Client, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy chat request over ``client`` (kept open across requests, as API clients
+    do: building an ``httpx.Client`` costs ~30 ms, its SSL context, which is not the server's)."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     text, usage, ext = "", None, None
-    with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -345,23 +349,25 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "p10": qs[0], "p90": qs[-1], "min": min(xs), "max": max(xs)}
 
 
-def overhead(engine, url: str, prompts: list[str], max_tokens: int) -> dict:
-    """Paired direct / HTTP runs (see the module docstring)."""
+def overhead(engine, url: str, prompts: list[str], max_tokens: int, repeats: int = 1) -> dict:
+    """Paired direct / HTTP runs, ``repeats`` pairs per prompt (see the module docstring)."""
     from swiftspec.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    client = httpx.Client(base_url=url, timeout=600)
     _direct(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=4))  # warm both paths
-    _http(url, "Hello", 4)
+    _http(client, "Hello", 4)
     pairs = []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(p for p in prompts for _ in range(repeats)):
         runs = {}
         for way in (("direct", "http") if i % 2 == 0 else ("http", "direct")):
-            runs[way] = _direct(engine, prompt, params) if way == "direct" else _http(url, prompt, max_tokens)
-        pairs.append({"prompt": i, "first": "direct" if i % 2 == 0 else "http", **runs,
+            runs[way] = _direct(engine, prompt, params) if way == "direct" else _http(client, prompt, max_tokens)
+        pairs.append({"prompt": i // repeats, "first": "direct" if i % 2 == 0 else "http", **runs,
                       "ttft_added_ms": 1e3 * (runs["http"]["ttft_s"] - runs["direct"]["ttft_s"]),
                       "tokens_per_s_ratio": runs["http"]["tokens_per_s"] / runs["direct"]["tokens_per_s"],
                       "texts_equal": runs["http"]["text"] == runs["direct"]["text"]})
-    return {"prompts": len(prompts), "max_tokens": max_tokens, "pairs": pairs,
+    client.close()
+    return {"prompts": len(prompts), "repeats": repeats, "max_tokens": max_tokens, "pairs": pairs,
             "ttft_added_ms": _spread([p["ttft_added_ms"] for p in pairs]),
             "tokens_per_s_ratio": _spread([p["tokens_per_s_ratio"] for p in pairs]),
             "ttft_direct_s": statistics.median(p["direct"]["ttft_s"] for p in pairs),
@@ -381,7 +387,13 @@ def machine_info() -> dict:
     from swiftspec.benchmark.kernels import machine
 
     flags = sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2", Path("/proc/cpuinfo").read_text())))
-    return {"machine": machine(), "isa": flags}
+    versions = {}
+    for mod in ("uvicorn", "fastapi", "uvloop", "httptools"):  # uvicorn's loop/parser: uvloop + httptools if present
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    return {"machine": machine(), "isa": flags, "server": versions}
 
 
 def _prompts(n: int) -> list[str]:
@@ -404,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=10, help="overhead: prompts (the six sets in turn)")
     ap.add_argument("--max-tokens", type=int, default=64, help="overhead: tokens per request")
+    ap.add_argument("--repeats", type=int, default=1, help="overhead: paired runs per prompt")
     ap.add_argument("--out", help="write the JSON record here")
     args = ap.parse_args(argv)
 
@@ -415,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             res = soak(server.url, server, _prompts(30), args.requests, args.wave, args.seed,
                        rss_at=(10, args.requests))
             res["restart"] = restart(server.url, server)
-            print(f"valid {res['valid_answered']}/{res['valid']} answered, bad {res['bad_refused_400']}/{res['bad']} "
+            print(f"mode {res['modes']}: valid {res['valid_answered']}/{res['valid']} answered, bad {res['bad_refused_400']}/{res['bad']} "
                   f"refused with 400, {res['cancelled']} cancelled; failed: {len(res['failed'])}")
             for p, g in res.get("rss_growth", {}).items():
                 print(f"  RSS {p}: {res['rss_mib']['10'].get(p, float('nan')):.0f} -> "
@@ -430,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             cli._add_engine_args(p)
             engine = cli.make_engine(p.parse_args(engine_args))
             try:
-                res = overhead(engine, server.url, _prompts(args.prompts), args.max_tokens)
+                res = overhead(engine, server.url, _prompts(args.prompts), args.max_tokens, args.repeats)
             finally:
                 engine.close()
             t, s = res["ttft_added_ms"], res["tokens_per_s_ratio"]
@@ -438,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['median']:.1f} ms (p10 {t['p10']:.1f}, p90 {t['p90']:.1f})")
             print(f"decode tokens/s direct {res['tokens_per_s_direct']:.2f}, HTTP {res['tokens_per_s_http']:.2f}; "
                   f"ratio median {s['median']:.4f} (p10 {s['p10']:.4f}, p90 {s['p90']:.4f}); "
-                  f"texts equal {res['texts_equal']}/{res['prompts']}")
+                  f"texts equal {res['texts_equal']}/{len(res['pairs'])}")
     finally:
         leftovers = server.stop()
     res["leftover_processes"] = leftovers
