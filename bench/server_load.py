@@ -321,7 +321,7 @@ def _direct(engine, prompt: str, params) -> dict:
 
 def _http(client: httpx.Client, prompt: str, max_tokens: int) -> dict:
     """One streamed greedy chat request over ``client`` (kept open across requests, as API clients
-    do: building an ``httpx.Client`` costs ~30 ms, its SSL context, which is not the server's)."""
+    do: building an ``httpx.Client`` builds an SSL context, client-side time that is not the server's)."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()

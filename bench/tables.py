@@ -7,7 +7,9 @@ Every record kind the benchmarks write is recognised by its shape:
 * ``bench/kernels.py --json``: the kernel table (``swiftspec.benchmark.kernels.summary_table``);
 * ``bench/native_forward.py --out``: forward time against the machine's read bandwidth;
 * ``bench/accuracy.py --out``: top-1 agreement and mean KL against llama.cpp;
-* ``swiftspec generate --json`` (the README command): one line.
+* ``swiftspec generate --json`` (the README command): one line;
+* ``bench/server_load.py soak|overhead --out``: the soak's counts, memory and restart, or the
+  server's added TTFT and tokens/s ratio against direct engine calls.
 
     python bench/tables.py bench/results/run13-avx2-6x5.json [more.json ...]
 """
@@ -45,8 +47,36 @@ def render(record) -> str:
         m = record["metrics"]
         return (f"{record['num_tokens']} tokens, {record['tokens_per_s']:.2f} tokens/s decode, TTFT "
                 f"{record['ttft_s']:.2f} s, mode {record['mode']} ({m.get('mode_reason', '')}), kernels {m.get('kernels')}")
+    if isinstance(record, dict) and ("soak" in record or "overhead" in record):
+        return _server(record)
     raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
-                     "bench/accuracy.py or swiftspec generate --json")
+                     "bench/accuracy.py, swiftspec generate --json or bench/server_load.py")
+
+
+def _server(record: dict) -> str:
+    """bench/server_load.py's soak (counts, resident memory, restart) or overhead (paired spreads)."""
+    if "soak" in record:
+        s, r = record["soak"], record["soak"]["restart"]
+        lines = [f"| mode | requests | valid answered | bad refused (400) | streams dropped | failed |",
+                 "|---|---|---|---|---|---|",
+                 f"| {', '.join(s['modes'])} | {s['requests']} | {s['valid_answered']}/{s['valid']} | "
+                 f"{s['bad_refused_400']}/{s['bad']} | {s['cancelled']} | {len(s['failed'])} |", "",
+                 "| process | RSS at request 10, MiB | at request 50, MiB | growth |", "|---|---|---|---|"]
+        first, last = (s["rss_mib"][k] for k in sorted(s["rss_mib"], key=int))
+        lines += [f"| {p} | {first[p]:.0f} | {last[p]:.0f} | {100 * g:+.1f} % |" for p, g in s["rss_growth"].items()]
+        lines += ["", f"Worker killed: the next request got {r['first_status']} after {r['first_s']:.2f} s, "
+                      f"`/health` then said `{r['health_after_503']['status']}`, the request after it got "
+                      f"{r['next_status']} after {r['next_s']:.1f} s (engine restart {r['restart_s']:.1f} s); "
+                      f"processes left after SIGTERM: {len(s['leftover_processes'])}."]
+        return "\n".join(lines)
+    o = record["overhead"]
+    t, q = o["ttft_added_ms"], o["tokens_per_s_ratio"]
+    return "\n".join([
+        "| pairs | TTFT direct s | TTFT HTTP s | added TTFT ms: median (p10, p90) | decode tokens/s direct | HTTP | "
+        "HTTP / direct: median (p10, p90) | texts equal |", "|---|---|---|---|---|---|---|---|",
+        f"| {len(o['pairs'])} | {o['ttft_direct_s']:.3f} | {o['ttft_http_s']:.3f} | {t['median']:.1f} ({t['p10']:.1f}, "
+        f"{t['p90']:.1f}) | {o['tokens_per_s_direct']:.2f} | {o['tokens_per_s_http']:.2f} | {q['median']:.4f} "
+        f"({q['p10']:.4f}, {q['p90']:.4f}) | {o['texts_equal']}/{len(o['pairs'])} |"])
 
 
 def main(argv: list[str] | None = None) -> int:
