@@ -8,16 +8,16 @@ Public API::
                               SamplingParams(max_tokens=128))
         print(out.text, out.metrics.compression_ratio)
 """
-from swiftspec.sampling import SamplingParams
+from swiftspec.sampling import SamplingParams, TokenLogprob
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "SamplingParams", "WorkerError",
-           "EngineError", "TokenizerMismatchError"]
+__all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "SamplingParams", "TokenLogprob",
+           "WorkerError", "EngineError", "TokenizerMismatchError"]
 
 
 def __getattr__(name):
     # the engine pulls in transformers; keep `import swiftspec` light for workers and tools
-    if name in __all__:
+    if name in __all__ and name not in ("SamplingParams", "TokenLogprob"):
         from swiftspec import engine
 
         return getattr(engine, name)

@@ -55,7 +55,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from swiftspec.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+                            max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+                            logprobs=args.logprobs)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     with make_engine(args) as engine:
         if args.json:
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability and its K most likely alternatives")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)

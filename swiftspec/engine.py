@@ -24,7 +24,7 @@ from typing import Iterator
 
 from swiftspec.draft_state import TreeParams
 from swiftspec.metrics import RequestMetrics
-from swiftspec.sampling import SamplingParams
+from swiftspec.sampling import SamplingParams, TokenLogprob
 from swiftspec.scheduler import Request
 from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
 
@@ -53,30 +53,39 @@ class GenerationOutput:
         token_ids: generated token ids (EOS included when it ended the request).
         finish_reason: "stop" (EOS or stop string) or "length" (max_tokens or context).
         metrics: timings, compression ratio and histograms (:class:`RequestMetrics`).
+        logprobs: one :class:`~swiftspec.sampling.TokenLogprob` per token of ``token_ids`` when
+            ``SamplingParams.logprobs`` was set, else None.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
         m = self.metrics
         return {"text": self.text, "token_ids": self.token_ids, "num_tokens": len(self.token_ids),
                 "finish_reason": self.finish_reason, "mode": m.mode, "compression_ratio": m.compression_ratio,
                 "tokens_per_s": m.tokens_per_s, "ttft_s": m.ttft_s, "tbt_mean_s": m.tbt_mean_s,
-                "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "metrics": m.to_dict()}
+                "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "metrics": m.to_dict(),
+                **({} if self.logprobs is None else {"logprobs": [
+                    {"token_id": x.token_id, "logprob": x.logprob, "top": [list(t) for t in x.top]}
+                    for x in self.logprobs]})}
 
 
 @dataclass
 class StreamChunk:
-    """One piece of a streamed generation: ``text`` is the new text since the previous chunk;
-    the last chunk has ``finished=True`` and carries the whole :class:`GenerationOutput`."""
+    """One piece of a streamed generation: ``text`` is the new text since the previous chunk,
+    ``token_ids`` (and ``logprobs``, when asked for) the tokens verified since then (a token whose
+    text is held back, e.g. a possible start of a stop string, comes with a later chunk); the last
+    chunk has ``finished=True`` and carries the whole :class:`GenerationOutput`."""
 
     text: str
     token_ids: list[int]
     finished: bool = False
     output: GenerationOutput | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -88,6 +97,8 @@ class _Collected:
     done: dict[str, tuple] = field(default_factory=dict)
     expect_done: set[str] = field(default_factory=set)
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent: int = 0  # tokens handed out in chunks so far
 
 
 @dataclass
@@ -572,8 +583,10 @@ class Engine:
         metrics.mode_reason = self.mode_reason
         metrics.kernels = self.kernel_dispatch()
         final = self._text(st.tokens, req.params.stop)
-        out = GenerationOutput(final, st.tokens, stats.reason, metrics)
-        yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", [], True, out)
+        lps = st.logprobs if req.params.logprobs is not None else None
+        out = GenerationOutput(final, st.tokens, stats.reason, metrics, lps)
+        yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", st.tokens[st.sent:], True, out,
+                          None if lps is None else lps[st.sent:])
 
     def _messages(self, conns: list[Connection]) -> Iterator[tuple]:
         """Worker messages as they arrive, plus a ``("tick",)`` after every wait (at most 1 s) so
@@ -590,14 +603,16 @@ class Engine:
         st.expect_done = set(self._leader_conns)
         for msg in self._messages(conns):
             if msg[0] == "tokens":
-                _, new, t = msg
+                _, new, t, lps = msg
                 st.events.append((t, len(new)))
                 st.tokens += new
+                st.logprobs += lps
                 text = self._text(st.tokens, req.params.stop)
                 text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]  # may still become a stop
                 if text.startswith(st.text) and len(text) > len(st.text):
                     delta, st.text = text[len(st.text):], text
-                    yield StreamChunk(delta, new)
+                    n0, st.sent = st.sent, len(st.tokens)
+                    yield StreamChunk(delta, st.tokens[n0:], logprobs=st.logprobs[n0:] if req.params.logprobs is not None else None)
             elif msg[0] == "done":
                 st.done[msg[1]] = msg[2:]
                 st.expect_done.discard(msg[1])

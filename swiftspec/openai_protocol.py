@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from swiftspec.sampling import SamplingParams
+from swiftspec.sampling import MAX_LOGPROBS, SamplingParams
 
 # Qwen2.5-Coder's fill-in-the-middle tokens (what editors' completion plugins rely on)
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
@@ -42,16 +42,29 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
     return v
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> tuple[SamplingParams, bool, bool]:
-    """``(params, stream, include_usage)`` from a request body.
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token asked for, or None: chat ``logprobs`` (bool) + ``top_logprobs``
+    (0-20); completions ``logprobs`` (0-5), as the OpenAI API documents them."""
+    if chat:
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise APIError(400, "'logprobs' must be a boolean", "logprobs")
+        top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        if top is not None and not want:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if want else None
+    return _number(body, "logprobs", None, 0, 5, integer=True)
+
+
+def sampling_params(body: dict, default_max_tokens: int, chat: bool = True) -> tuple[SamplingParams, bool, bool]:
+    """``(params, stream, include_usage)`` from a chat (``chat``) or completions request body.
 
     Raises:
-        APIError: 400 for ``n`` other than 1, ``logprobs``, a bad ``stop``/``stream_options`` or
-            any number out of range."""
+        APIError: 400 for ``n`` other than 1, a bad ``logprobs``/``top_logprobs``,
+            ``stop``/``stream_options`` or any number out of range."""
     if _number(body, "n", 1, 1, 1_000_000, integer=True) != 1:
         raise APIError(400, "only n = 1 is supported (one completion per request)", "n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise APIError(400, "logprobs are not supported", "logprobs")
+    logprobs = _logprobs(body, chat)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -69,7 +82,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> tuple[SamplingParams
         raise APIError(400, "'stream_options' must be an object", "stream_options")
     params = SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                             top_p=float(_number(body, "top_p", 1.0, 1e-9, 1.0)), seed=seed,
-                            max_tokens=max_tokens, stop=tuple(stop))
+                            max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs)
     return params, stream, bool(opts.get("include_usage"))
 
 
@@ -144,24 +157,75 @@ def finish_reason(out) -> str:
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def chat_response(rid: str, model: str, out) -> dict:
+class TokenText:
+    """Token id -> ``(text, UTF-8 bytes)`` for logprobs. Byte-level BPE vocabularies (GPT-2's byte
+    table, as Qwen's) give each token's exact bytes, so a token holding part of a multi-byte
+    character still has its bytes (its text shows U+FFFD); other vocabularies: the decoded token."""
+
+    def __init__(self, tokenizer):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        self.tokenizer = tokenizer
+        self.byte_of = {c: b for b, c in bytes_to_unicode().items()}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        if piece and all(ch in self.byte_of for ch in piece):
+            raw = bytes(self.byte_of[ch] for ch in piece)
+        else:
+            raw = self.tokenizer.decode([token_id]).encode()
+        return raw.decode("utf-8", errors="replace"), raw
+
+
+def _lp(v: float) -> float:
+    return max(v, -9999.0)  # JSON has no -inf; the OpenAI API reports -9999.0 for "impossible"
+
+
+def chat_logprobs(lps, token_text: TokenText) -> dict | None:
+    """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+    or None when not asked for (``lps`` None)."""
+    if lps is None:
+        return None
+
+    def entry(tid: int, v: float) -> dict:
+        text, raw = token_text(tid)
+        return {"token": text, "logprob": _lp(v), "bytes": list(raw)}
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                        for x in lps]}
+
+
+def completion_logprobs(lps, token_text: TokenText, offset: int = 0) -> dict | None:
+    """A completion choice's legacy ``logprobs``: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> logprob) and ``text_offset`` (characters, from ``offset``)."""
+    if lps is None:
+        return None
+    tokens = [token_text(x.token_id)[0] for x in lps]
+    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [_lp(x.logprob) for x in lps],
+            "top_logprobs": [{token_text(t)[0]: _lp(v) for t, v in x.top} for x in lps], "text_offset": starts}
+
+
+def chat_response(rid: str, model: str, out, token_text: TokenText | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "finish_reason": finish_reason(out), "logprobs": None}],
+                         "finish_reason": finish_reason(out),
+                         "logprobs": chat_logprobs(out.logprobs, token_text) if token_text else None}],
             "usage": usage(out), "swiftspec": extension(out)}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, reason: str | None = None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]}
 
 
-def completion_response(rid: str, model: str, out) -> dict:
+def completion_response(rid: str, model: str, out, token_text: TokenText | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": out.text, "finish_reason": finish_reason(out), "logprobs": None}],
+            "choices": [{"index": 0, "text": out.text, "finish_reason": finish_reason(out),
+                         "logprobs": completion_logprobs(out.logprobs, token_text) if token_text else None}],
             "usage": usage(out), "swiftspec": extension(out)}
 
 
-def completion_chunk(rid: str, model: str, text: str, reason: str | None = None) -> dict:
+def completion_chunk(rid: str, model: str, text: str, reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}]}

@@ -11,6 +11,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token and of its most likely alternatives.
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its natural-log probability under the target's own distribution: float32
+            log-softmax of the target's logits, before temperature, top-k and top-p (as vLLM's
+            default "raw" logprobs). The logits are batch invariant, so the value is the same in
+            every mode.
+        top: ``(token_id, logprob)`` of the :attr:`SamplingParams.logprobs` most likely tokens,
+            most likely first (ties: lower id first).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +45,9 @@ class SamplingParams:
         max_tokens: maximum number of generated tokens (>= 1).
         stop: strings that end generation; the returned text stops before the first match.
         ignore_eos: keep going past end-of-sequence tokens (benchmarks).
+        logprobs: None (default) returns no log-probabilities; 0 to ``MAX_LOGPROBS`` returns a
+            :class:`TokenLogprob` per generated token with that many alternatives (one float32
+            log-softmax over the vocabulary per verified token).
     Raises:
         ValueError: any parameter out of range (checked at construction).
     """
@@ -35,6 +59,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
@@ -47,6 +72,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a list of non-empty strings")
@@ -81,6 +109,20 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, si, sp)
             probs = probs / probs.sum()
         return probs
+
+    def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        """``token``'s :class:`TokenLogprob` from ``[vocab]`` logits (``params.logprobs`` alternatives)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        k = self.params.logprobs or 0
+        top = ()
+        if k:
+            # every id at or above the k-th largest value (O(vocab), no full sort), then by value
+            # with a stable sort over ascending ids: equal log-probabilities keep the lower id first
+            kth = lp.topk(k).values[-1]
+            ids = (lp >= kth).nonzero().flatten()
+            vals, order = lp[ids].sort(descending=True, stable=True)
+            top = tuple((int(i), float(v)) for i, v in zip(ids[order][:k].tolist(), vals[:k].tolist()))
+        return TokenLogprob(token, float(lp[token]), top)
 
     def sample(self, logits: torch.Tensor) -> int:
         """One token id from ``[vocab]`` logits (greedy: argmax, first index on ties)."""

@@ -6,8 +6,10 @@
 - ``serial`` (SwiftSpec-base): :func:`run_serial`, draft then verify, in one group.
 - ``autoregressive``: :func:`run_autoregressive`, the target alone, one token per forward.
 
-Each loop reports verified tokens through ``emit(tokens, t)`` (``t`` = time.perf_counter(),
-comparable across processes on Linux) and returns its statistics. They are plain functions of
+Each loop reports verified tokens through ``emit(tokens, t, logprobs)`` (``t`` =
+time.perf_counter(), comparable across processes on Linux; ``logprobs`` one
+:class:`~swiftspec.sampling.TokenLogprob` per token when the request asked for them, else
+empty) and returns its statistics. They are plain functions of
 the draft/target state objects and two message channels, so tests run them in one process.
 
 Architecture: docs/architecture.md §5.
@@ -111,7 +113,7 @@ def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: Stop
                  emit, stats: TargetStats) -> list[int]:
     res = target.verify(sg, sampler, stop.remaining)
     kept = stop.push(res.tokens)
-    emit(kept, time.perf_counter())
+    emit(kept, time.perf_counter(), res.logprobs[:len(kept)])
     stats.verifications += 1
     stats.accepted.append(len(res.accepted))
     if stop.req.trace:
@@ -120,9 +122,9 @@ def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: Stop
 
 
 def _prefill_target(target: TargetState, req: Request, sampler: Sampler, stop: StopChecker, emit) -> int:
-    first = target.prefill(req.prompt_ids, sampler)
-    emit(stop.push([first]), time.perf_counter())
-    return first
+    res = target.prefill(req.prompt_ids, sampler)
+    emit(stop.push(res.tokens), time.perf_counter(), res.logprobs)
+    return res.bonus
 
 
 def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecker | None = None) -> TargetStats:

@@ -261,6 +261,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
 
     async def _serve(request: Request, endpoint: str, prompt, chat: bool, params, stream: bool, include_usage: bool):
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
+        token_text = oai.TokenText(host.engine.tokenizer) if params.logprobs is not None else None
         gen = host.run(prompt, params, chat)
         if not stream:
             out = None
@@ -273,21 +274,26 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
             metrics.record(out)
             metrics.requests.labels(endpoint, "200").inc()
             make = oai.chat_response if chat else oai.completion_response
-            return make(rid, model_name, out)
+            return make(rid, model_name, out, token_text)
         try:  # the first chunk (or the error) before the 200 header goes out
             first = await gen.__anext__()
         except StopAsyncIteration:
             first = None
 
         async def events():
-            chunk, out = first, None
+            chunk, out, offset = first, None, 0
             if chat:
                 yield sse(oai.chat_chunk(rid, model_name, {"role": "assistant", "content": ""}))
             try:
                 while chunk is not None:
-                    if chunk.text:
-                        yield sse(oai.chat_chunk(rid, model_name, {"content": chunk.text}) if chat else
-                                  oai.completion_chunk(rid, model_name, chunk.text))
+                    if chunk.text or chunk.logprobs:
+                        if chat:
+                            yield sse(oai.chat_chunk(rid, model_name, {"content": chunk.text}, None,
+                                                     token_text and oai.chat_logprobs(chunk.logprobs, token_text)))
+                        else:
+                            lp = token_text and oai.completion_logprobs(chunk.logprobs, token_text, offset)
+                            offset += sum(map(len, lp["tokens"])) if lp else 0
+                            yield sse(oai.completion_chunk(rid, model_name, chunk.text, None, lp))
                     if chunk.finished:
                         out = chunk.output
                     chunk = await gen.__anext__()
@@ -322,7 +328,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
-        params, stream, include_usage = oai.sampling_params(body, 16)
+        params, stream, include_usage = oai.sampling_params(body, 16, chat=False)
         prompt = oai.completion_prompt(body, host.engine.tokenizer)
         return await _serve(request, "/v1/completions", prompt, False, params, stream, include_usage)
 

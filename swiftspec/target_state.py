@@ -39,15 +39,17 @@ class TargetState:
         self.prefix_len = 0
         self.root: int | None = None
 
-    def prefill(self, prompt_ids: list[int], sampler: Sampler) -> int:
-        """Run the prompt and sample the first token (the first root)."""
+    def prefill(self, prompt_ids: list[int], sampler: Sampler) -> VerifyResult:
+        """Run the prompt and sample the first token (the first root): a :class:`VerifyResult`
+        with that one token (and its log-probability when the request asked for them)."""
         n = len(prompt_ids)
         pos = torch.arange(n)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
         logits = self.runner.forward(torch.tensor(prompt_ids), pos, pos, mask, torch.tensor([n - 1]))
         self.prefix_len = n
-        self.root = sampler.sample(logits[0])
-        return self.root
+        res = walk([-1], [-1], logits, sampler)  # a lone node: its sample is the bonus token
+        self.root = res.bonus
+        return res
 
     def verify(self, sg: Subgraph, sampler: Sampler, max_new: int | None = None) -> VerifyResult:
         """One target forward over the subgraph, the sampling walk, and KV compaction.

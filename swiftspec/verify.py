@@ -9,11 +9,11 @@ Architecture: docs/architecture.md §3.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from swiftspec.sampling import Sampler
+from swiftspec.sampling import Sampler, TokenLogprob
 
 
 @dataclass
@@ -23,10 +23,13 @@ class VerifyResult:
     Attributes:
         accepted: subgraph indices of the accepted nodes, in path order (root excluded).
         tokens: the verified tokens: the accepted nodes' tokens followed by the bonus token.
+        logprobs: one :class:`~swiftspec.sampling.TokenLogprob` per verified token when the
+            request asked for them (``SamplingParams.logprobs``), else empty.
     """
 
     accepted: list[int]
     tokens: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def bonus(self) -> int:
@@ -44,19 +47,23 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
         sampler: the request's sampler.
         max_new: stop after this many verified tokens (the request's remaining budget).
     Returns:
-        :class:`VerifyResult` with ``1 <= len(tokens) <= bs`` verified tokens.
+        :class:`VerifyResult` with ``1 <= len(tokens) <= bs`` verified tokens (and their
+        log-probabilities when ``sampler.params.logprobs`` is set).
     """
     children: list[dict[int, int]] = [{} for _ in tokens]
     for i, p in enumerate(parents):
         if p >= 0:
             children[p].setdefault(tokens[i], i)
     limit = max_new if max_new is not None else len(tokens)
-    node, accepted, out = 0, [], []
+    node, accepted, out, lps = 0, [], [], []
+    want_lp = sampler.params.logprobs is not None
     while True:
         tok = sampler.sample(logits[node])
         out.append(tok)
+        if want_lp:
+            lps.append(sampler.logprob(logits[node], tok))
         child = children[node].get(tok)
         if child is None or len(out) >= limit:
-            return VerifyResult(accepted, out)
+            return VerifyResult(accepted, out, lps)
         accepted.append(child)
         node = child

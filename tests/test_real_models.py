@@ -73,12 +73,13 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair):
     """128 greedy tokens per dataset (first prompt, chat template), default configuration (native
     GGUF weights, kernels on): ``serial`` and ``async`` (the target on one core, the reference on
     two) give exactly the target's own output, no near-tie allowance: every op of a decode step is
-    batch invariant and thread-count invariant (quantized GEMM, tree attention, RMSNorm)."""
+    batch invariant and thread-count invariant (quantized GEMM, tree attention, RMSNorm). The
+    log-probabilities the target reports (and their alternatives) are bit-identical too."""
     from swiftspec import Engine, SamplingParams
 
     target, draft = pair
     prompts = _first_prompts()
-    params = SamplingParams(max_tokens=128)
+    params = SamplingParams(max_tokens=128, logprobs=2)
     outs = {}
     for name, kw in (("autoregressive", dict(mode="autoregressive")), ("serial", dict(mode="serial")),
                      ("async", dict(mode="async"))):
@@ -89,6 +90,7 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair):
             a, b = outs["autoregressive"][ds].token_ids, outs[name][ds].token_ids
             assert outs[name][ds].metrics.compression_ratio > 1.5, (name, ds)
             assert a == b, f"{name}, {ds}: differs from the target at token {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
+            assert outs[name][ds].logprobs == outs["autoregressive"][ds].logprobs, (name, ds)
 
 
 def test_default_pair_answers_sensibly(pair):

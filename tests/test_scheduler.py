@@ -26,9 +26,15 @@ def _draft(model_dir, **kw):
     return DraftState(RunnerHandle("draft", ModelRunner(str(model_dir), capacity=1024), []), TreeParams(**kw))
 
 
-def _collect():
+def _collect(logprobs: list | None = None):
     out = []
-    return out, (lambda toks, t: out.extend(toks))
+
+    def emit(toks, t, lps=()):
+        out.extend(toks)
+        assert len(lps) in (0, len(toks))
+        if logprobs is not None:
+            logprobs.extend(lps)
+    return out, emit
 
 
 def _req(n=40, params=None, d=None, trace=False):
@@ -64,6 +70,57 @@ def test_serial_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_re
     st = scheduler.run_serial(draft, _target(tiny_dir), _req(d=d), emit)
     assert out == greedy_reference
     assert sum(st.accepted) > 0, "a near-copy draft should get some tokens accepted"
+
+
+def test_logprobs_are_the_targets_own_in_every_mode(tiny_dir, tiny_draft_dir, greedy_reference):
+    """A verified token's log-probability and its alternatives come from the target's logits at
+    that position: serial (tree rows) and async give autoregressive's tokens and values (this
+    float model runs torch's GEMMs, whose sums depend on the row count: equal within 1e-5; on
+    native weights they are bit-identical, tests/test_real_models.py); the greedy token is the
+    first alternative; without the option, none."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=3)
+    runs = {}
+    for mode in ("autoregressive", "serial", "async"):
+        lps: list = []
+        out, emit = _collect(lps)
+        req = _req(params=params, d=2)
+        if mode == "autoregressive":
+            scheduler.run_autoregressive(_target(tiny_dir), req, emit)
+        elif mode == "serial":
+            scheduler.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), req, emit)
+        else:
+            a, b = Pipe()
+            th = threading.Thread(target=scheduler.run_async_draft, args=(_draft(tiny_draft_dir), req, b))
+            th.start()
+            scheduler.run_async_target(_target(tiny_dir), req, a, emit)
+            th.join()
+        assert out == greedy_reference and [lp.token_id for lp in lps] == out
+        runs[mode] = lps
+    ref = runs["autoregressive"]
+    for mode in ("serial", "async"):
+        for a, b in zip(runs[mode], ref, strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-5
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-5
+    for lp in runs["autoregressive"]:
+        assert len(lp.top) == 3 and lp.top[0] == (lp.token_id, lp.logprob) and lp.logprob <= 0.0
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert sum(torch.tensor([v for _, v in lp.top]).exp()) <= 1.0 + 1e-6
+    plain: list = []
+    scheduler.run_autoregressive(_target(tiny_dir), _req(), _collect(plain)[1])
+    assert plain == []
+
+
+def test_logprob_values_are_log_softmax_of_the_target_logits():
+    logits = torch.tensor([1.0, 3.0, 3.0, -2.0])
+    lp = Sampler(SamplingParams(logprobs=2)).logprob(logits, 3)
+    ref = torch.log_softmax(logits, -1)
+    assert lp.token_id == 3 and lp.logprob == float(ref[3])
+    assert lp.top == ((1, float(ref[1])), (2, float(ref[2])))  # ties: lower id first
+    assert Sampler(SamplingParams(logprobs=0)).logprob(logits, 0).top == ()
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
 
 
 @pytest.mark.parametrize("d", [None, 1, 3])
@@ -134,7 +191,7 @@ def test_no_surviving_kv_is_recomputed(tiny_dir, tiny_draft_dir, monkeypatch):
         return real_forward(ids, *a)
 
     monkeypatch.setattr(draft.runner.runner, "forward", counting_forward)
-    emit = lambda toks, t: seq.extend(toks)  # noqa: E731
+    emit = lambda toks, t, lps=(): seq.extend(toks)  # noqa: E731
     scheduler.run_serial(draft, _target(tiny_dir), _req(n=60, d=2), emit)
     assert computed and max(computed.values()) == 1
     # every token the draft ran is either the prompt or one of those distinct contexts

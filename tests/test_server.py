@@ -103,6 +103,39 @@ def test_completions_with_and_without_suffix(server):
     assert fim.usage.prompt_tokens == len(ids) and [t for t in ids if t in fim_ids] == fim_ids  # one token each
 
 
+def test_logprobs_chat_and_completions_streamed_or_not(server):
+    """Chat ``logprobs``/``top_logprobs`` and completions ``logprobs``: one entry per generated
+    token, the greedy token the most likely alternative, the tokens' bytes spelling the text,
+    the same values streamed and not, and the engine's own log-probabilities."""
+    host, client, _ = server
+    full = _chat(client, logprobs=True, top_logprobs=2)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    ref = host.engine.generate([{"role": "user", "content": "The quick brown fox"}],
+                               SamplingParams(max_tokens=20, logprobs=2))
+    assert [c.logprob for c in content] == [x.logprob for x in ref.logprobs]
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token and c.logprob <= 0
+        assert c.top_logprobs[0].logprob == c.logprob >= c.top_logprobs[1].logprob
+    special = set(host.engine.tokenizer.all_special_tokens)  # skipped in the text, listed in logprobs
+    spelled = b"".join(bytes(c.bytes) for c in content if c.token not in special).decode()
+    assert spelled == full.choices[0].message.content
+    chunks = list(_chat(client, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    assert _chat(client).choices[0].logprobs is None  # not asked for
+    comp = client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=12, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    stream = list(client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=12, logprobs=3,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert sum((p.token_logprobs for p in parts), []) == lp.token_logprobs
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+
+
 def test_concurrent_requests_are_answered_in_arrival_order(server):
     _, client, _ = server
     done, lock = [], threading.Lock()
@@ -144,6 +177,9 @@ def test_disconnect_mid_stream_frees_the_engine(server):
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs 'logprobs'"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, 400, "boolean"),
 ])
 def test_bad_input_gets_an_openai_error(server, body, status, match):
     import httpx
