@@ -612,7 +612,8 @@ class Engine:
                 if text.startswith(st.text) and len(text) > len(st.text):
                     delta, st.text = text[len(st.text):], text
                     n0, st.sent = st.sent, len(st.tokens)
-                    yield StreamChunk(delta, st.tokens[n0:], logprobs=st.logprobs[n0:] if req.params.logprobs is not None else None)
+                    lps = st.logprobs[n0:] if req.params.logprobs is not None else None
+                    yield StreamChunk(delta, st.tokens[n0:], logprobs=lps)
             elif msg[0] == "done":
                 st.done[msg[1]] = msg[2:]
                 st.expect_done.discard(msg[1])
