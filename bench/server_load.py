@@ -304,19 +304,22 @@ def restart(url: str, server: Server, headers: dict | None = None) -> dict:
 # ---- overhead ---------------------------------------------------------------------------------
 
 
+def _timed(t0: float, stamps: list[float], text: str, n: int, engine_tokens_per_s: float) -> dict:
+    """Client-side TTFT (request to first text) and decode tokens/s ((n - 1) / first-to-last text)."""
+    first, last = stamps[0], stamps[-1]
+    return {"ttft_s": first - t0, "tokens": n, "tokens_per_s": (n - 1) / (last - first) if n > 1 and last > first
+            else float("nan"), "text": text, "engine_tokens_per_s": engine_tokens_per_s}
+
+
 def _direct(engine, prompt: str, params) -> dict:
     t0 = time.perf_counter()
-    first = last = None
-    text, out = "", None
+    stamps, text, out = [], "", None
     for chunk in engine.stream(prompt, params, chat=True):
         if chunk.text:
-            last = time.perf_counter()
-            first = first or last
+            stamps.append(time.perf_counter())
             text += chunk.text
         out = chunk.output or out
-    n = len(out.token_ids)
-    return {"ttft_s": first - t0, "tokens": n, "tokens_per_s": (n - 1) / (last - first) if n > 1 and last > first
-            else float("nan"), "text": text, "engine_tokens_per_s": out.metrics.tokens_per_s}
+    return _timed(t0, stamps, text, len(out.token_ids), out.metrics.tokens_per_s)
 
 
 def _http(client: httpx.Client, prompt: str, max_tokens: int) -> dict:
@@ -325,8 +328,7 @@ def _http(client: httpx.Client, prompt: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = None
-    text, usage, ext = "", None, None
+    stamps, text, usage, ext = [], "", None, None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -335,13 +337,10 @@ def _http(client: httpx.Client, prompt: str, max_tokens: int) -> dict:
             for ch in obj.get("choices", []):
                 piece = (ch.get("delta") or {}).get("content")
                 if piece:
-                    last = time.perf_counter()
-                    first = first or last
+                    stamps.append(time.perf_counter())
                     text += piece
             usage, ext = obj.get("usage") or usage, obj.get("swiftspec") or ext
-    n = usage["completion_tokens"]
-    return {"ttft_s": first - t0, "tokens": n, "tokens_per_s": (n - 1) / (last - first) if n > 1 and last > first
-            else float("nan"), "text": text, "engine_tokens_per_s": ext["tokens_per_s"]}
+    return _timed(t0, stamps, text, usage["completion_tokens"], ext["tokens_per_s"])
 
 
 def _spread(xs: list[float]) -> dict:

@@ -57,7 +57,7 @@ def _server(record: dict) -> str:
     """bench/server_load.py's soak (counts, resident memory, restart) or overhead (paired spreads)."""
     if "soak" in record:
         s, r = record["soak"], record["soak"]["restart"]
-        lines = [f"| mode | requests | valid answered | bad refused (400) | streams dropped | failed |",
+        lines = ["| mode | requests | valid answered | bad refused (400) | streams dropped | failed |",
                  "|---|---|---|---|---|---|",
                  f"| {', '.join(s['modes'])} | {s['requests']} | {s['valid_answered']}/{s['valid']} | "
                  f"{s['bad_refused_400']}/{s['bad']} | {s['cancelled']} | {len(s['failed'])} |", "",

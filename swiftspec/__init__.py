@@ -17,7 +17,7 @@ __all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "Samplin
 
 def __getattr__(name):
     # the engine pulls in transformers; keep `import swiftspec` light for workers and tools
-    if name in __all__ and name not in ("SamplingParams", "TokenLogprob"):
+    if name in __all__:
         from swiftspec import engine
 
         return getattr(engine, name)

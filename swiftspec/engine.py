@@ -100,6 +100,11 @@ class _Collected:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sent: int = 0  # tokens handed out in chunks so far
 
+    def unsent(self, with_logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
+        """The tokens (and their log-probabilities, if asked for) not yet in a chunk; marks them sent."""
+        n0, self.sent = self.sent, len(self.tokens)
+        return self.tokens[n0:], self.logprobs[n0:] if with_logprobs else None
+
 
 @dataclass
 class EngineConfig:
@@ -583,10 +588,10 @@ class Engine:
         metrics.mode_reason = self.mode_reason
         metrics.kernels = self.kernel_dispatch()
         final = self._text(st.tokens, req.params.stop)
-        lps = st.logprobs if req.params.logprobs is not None else None
-        out = GenerationOutput(final, st.tokens, stats.reason, metrics, lps)
-        yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", st.tokens[st.sent:], True, out,
-                          None if lps is None else lps[st.sent:])
+        want_lp = req.params.logprobs is not None
+        out = GenerationOutput(final, st.tokens, stats.reason, metrics, st.logprobs if want_lp else None)
+        ids, lps = st.unsent(want_lp)
+        yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", ids, True, out, lps)
 
     def _messages(self, conns: list[Connection]) -> Iterator[tuple]:
         """Worker messages as they arrive, plus a ``("tick",)`` after every wait (at most 1 s) so
@@ -611,9 +616,8 @@ class Engine:
                 text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]  # may still become a stop
                 if text.startswith(st.text) and len(text) > len(st.text):
                     delta, st.text = text[len(st.text):], text
-                    n0, st.sent = st.sent, len(st.tokens)
-                    lps = st.logprobs[n0:] if req.params.logprobs is not None else None
-                    yield StreamChunk(delta, st.tokens[n0:], logprobs=lps)
+                    ids, lps = st.unsent(req.params.logprobs is not None)
+                    yield StreamChunk(delta, ids, logprobs=lps)
             elif msg[0] == "done":
                 st.done[msg[1]] = msg[2:]
                 st.expect_done.discard(msg[1])

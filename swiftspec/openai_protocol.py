@@ -8,6 +8,7 @@ Reference read: the OpenAI API reference (chat completions, completions, streami
 """
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 
@@ -200,7 +201,7 @@ def completion_logprobs(lps, token_text: TokenText, offset: int = 0) -> dict | N
     if lps is None:
         return None
     tokens = [token_text(x.token_id)[0] for x in lps]
-    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    starts = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
     return {"tokens": tokens, "token_logprobs": [_lp(x.logprob) for x in lps],
             "top_logprobs": [{token_text(t)[0]: _lp(v) for t, v in x.top} for x in lps], "text_offset": starts}
 
@@ -209,7 +210,7 @@ def chat_response(rid: str, model: str, out, token_text: TokenText | None = None
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                          "finish_reason": finish_reason(out),
-                         "logprobs": chat_logprobs(out.logprobs, token_text) if token_text else None}],
+                         "logprobs": chat_logprobs(out.logprobs, token_text)}],
             "usage": usage(out), "swiftspec": extension(out)}
 
 
@@ -221,7 +222,7 @@ def chat_chunk(rid: str, model: str, delta: dict, reason: str | None = None, log
 def completion_response(rid: str, model: str, out, token_text: TokenText | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": out.text, "finish_reason": finish_reason(out),
-                         "logprobs": completion_logprobs(out.logprobs, token_text) if token_text else None}],
+                         "logprobs": completion_logprobs(out.logprobs, token_text)}],
             "usage": usage(out), "swiftspec": extension(out)}
 
 

@@ -289,9 +289,9 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None):
                     if chunk.text or chunk.logprobs:
                         if chat:
                             yield sse(oai.chat_chunk(rid, model_name, {"content": chunk.text}, None,
-                                                     token_text and oai.chat_logprobs(chunk.logprobs, token_text)))
+                                                     oai.chat_logprobs(chunk.logprobs, token_text)))
                         else:
-                            lp = token_text and oai.completion_logprobs(chunk.logprobs, token_text, offset)
+                            lp = oai.completion_logprobs(chunk.logprobs, token_text, offset)
                             offset += sum(map(len, lp["tokens"])) if lp else 0
                             yield sse(oai.completion_chunk(rid, model_name, chunk.text, None, lp))
                     if chunk.finished:
