@@ -40,8 +40,9 @@ setup(
                       # the CPU twins (csrc/cpu) are JIT-built by torch.utils.cpp_extension on first use
                       "ninja", "pybind11"],
     extras_require={
-        "test": ["pytest", "scipy", "matplotlib", "openai", "httpx"],
-        # llama-cpp-python builds llama.cpp from source (several minutes); only the peer benchmark needs it
+        # llama-cpp-python builds llama.cpp from source (about 4 minutes on 2 cores): the llama.cpp
+        # peer of the benchmark, and its test; scripts/setup_env.sh sets its CMAKE_ARGS
+        "test": ["pytest", "scipy", "matplotlib", "openai", "httpx", "llama-cpp-python"],
         "bench": ["matplotlib", "llama-cpp-python"],
     },
     entry_points={"console_scripts": ["swiftspec=swiftspec.cli:main"]},

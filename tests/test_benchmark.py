@@ -209,6 +209,24 @@ def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
     assert spec.generate(long, 8)[0] == plain.generate(long, 8)[0]
 
 
+def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
+    """scripts/setup_env.sh builds llama-cpp-python with the CMake arguments the peer names in its
+    error (llama.cpp's AMX matmul compiled out), and the installed build, if any, has no AMX."""
+    from pathlib import Path
+
+    from swiftspec.benchmark import peers
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "setup_env.sh").read_text()
+    assert f'CMAKE_ARGS="${{CMAKE_ARGS:-{peers.LLAMA_CPP_CMAKE_ARGS}}}"' in script
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional benchmark dependency")
+    assert "AMX_INT8 = 1" not in llama_cpp.llama_print_system_info().decode()
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 |")
+    with pytest.raises(RuntimeError, match="AMX matmul"):
+        peers._llama_cpp()
+    monkeypatch.setenv("SWIFTSPEC_LLAMA_CPP_AMX", "1")
+    assert peers._llama_cpp() is llama_cpp
+
+
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
     the README's run-13, run-15 and run-16 numbers are those of their records."""

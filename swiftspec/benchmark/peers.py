@@ -14,6 +14,7 @@ arrive together evenly over their interval).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -80,11 +81,26 @@ class HFPeer:
         self.model = self.assistant = None
 
 
+# How scripts/setup_env.sh builds llama-cpp-python: -march=native as llama.cpp's default, but its
+# AMX code compiled out (the macro that guards it undefined), so the peer runs its AVX-512/AVX2 path.
+LLAMA_CPP_CMAKE_ARGS = "-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__"
+
+
 def _llama_cpp():
     try:
         import llama_cpp
     except ImportError as e:
         raise RuntimeError("llama-cpp-python is not installed (pip install llama-cpp-python)") from e
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    if "AMX_INT8 = 1" in info and os.environ.get("SWIFTSPEC_LLAMA_CPP_AMX") != "1":
+        # llama.cpp's AMX matmul (ggml-cpu/amx) segfaults in ggml_backend_amx_mul_mat on Q4_K_M
+        # and on the tests' tiny GGUFs on some AMX CPUs (llama.cpp issue 20824, seen on an Intel
+        # Xeon with llama-cpp-python 0.3.36); a crash would take the whole benchmark or test run down
+        raise RuntimeError(
+            "this llama-cpp-python build uses llama.cpp's AMX matmul, which segfaults on some AMX CPUs; "
+            f"rebuild it without: CMAKE_ARGS='{LLAMA_CPP_CMAKE_ARGS}' pip install --force-reinstall "
+            "--no-cache-dir llama-cpp-python (scripts/setup_env.sh does), or set SWIFTSPEC_LLAMA_CPP_AMX=1 "
+            "to use it anyway")
     return llama_cpp
 
 
