@@ -191,7 +191,7 @@ def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
     """The llama-cpp-spec peer (llama-cpp-python's draft_model hook fed by a second llama.cpp
     context) gives llama.cpp's own greedy tokens; with the target as its own draft every proposal
     is accepted, so each target forward yields several tokens."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional benchmark dependency")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (a test extra) is not installed")
     from swiftspec.benchmark.peers import LlamaCppPeer
     from tests.test_loader import make_gguf
 
@@ -218,7 +218,7 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
 
     script = (Path(__file__).resolve().parents[1] / "scripts" / "setup_env.sh").read_text()
     assert f'CMAKE_ARGS="${{CMAKE_ARGS:-{peers.LLAMA_CPP_CMAKE_ARGS}}}"' in script
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional benchmark dependency")
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (a test extra) is not installed")
     assert "AMX_INT8 = 1" not in llama_cpp.llama_print_system_info().decode()
     monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 |")
     with pytest.raises(RuntimeError, match="AMX matmul"):
