@@ -24,6 +24,7 @@ from swiftspec.draft_state import DraftState
 from swiftspec.sampling import Sampler, SamplingParams
 from swiftspec.target_state import TargetState
 from swiftspec.tree import Subgraph
+from swiftspec.verify import VerifyResult
 
 STOP = "stop"
 # Expansions per verification in serial mode when the request gives none (d = "auto").
@@ -112,8 +113,7 @@ class TargetStats:
 def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: StopChecker,
                  emit, stats: TargetStats) -> list[int]:
     res = target.verify(sg, sampler, stop.remaining)
-    kept = stop.push(res.tokens)
-    emit(kept, time.perf_counter(), res.logprobs[:len(kept)])
+    _emit_verified(res, stop, emit)
     stats.verifications += 1
     stats.accepted.append(len(res.accepted))
     if stop.req.trace:
@@ -123,8 +123,14 @@ def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: Stop
 
 def _prefill_target(target: TargetState, req: Request, sampler: Sampler, stop: StopChecker, emit) -> int:
     res = target.prefill(req.prompt_ids, sampler)
-    emit(stop.push(res.tokens), time.perf_counter(), res.logprobs)
+    _emit_verified(res, stop, emit)
     return res.bonus
+
+
+def _emit_verified(res: VerifyResult, stop: StopChecker, emit) -> None:
+    """Report the verified tokens the stop checker keeps, with their log-probabilities."""
+    kept = stop.push(res.tokens)
+    emit(kept, time.perf_counter(), res.logprobs[:len(kept)])
 
 
 def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecker | None = None) -> TargetStats:

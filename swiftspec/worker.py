@@ -124,8 +124,8 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
         draft = DraftState(handles[ROLE_DRAFT], spec.tree)
     decode = _decoder(spec.tokenizer_file) if target is not None else None
 
-    def emit(tokens, t, logprobs=()):
-        engine.send(("tokens", tokens, t, list(logprobs)))
+    def emit(tokens, t, logprobs):
+        engine.send(("tokens", tokens, t, logprobs))
 
     try:
         while True:
