@@ -146,7 +146,11 @@ def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
     flags = set(_cpu_flags().split(":", 1)[-1].split())
     d = ops.cpu_dispatch()
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        assert d["quant_gemm"] == "avx512_vnni"
+        # 512-bit interleaved kernels on AMD family 0x1A (Zen 5), where they measured faster
+        info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in
+                open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)}
+        zen5 = info["vendor_id"] == "AuthenticAMD" and int(info["cpu family"]) >= 0x1A
+        assert d["quant_gemm"] == ("avx512_vnni_512" if zen5 else "avx512_vnni")
     elif {"avx2", "fma"} <= flags:
         assert d["quant_gemm"] == "avx2"
     # tree attention has AVX2 and AVX-512 loops: one of them runs wherever the CPU has it
@@ -158,6 +162,24 @@ def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
     for family, compiled in (("skinny_gemm", m._linear_impls()), ("tree_attention", m._tree_attention_impls())):
         assert d[family] != "scalar"
         assert (d[family] == "torch") == (compiled == ["scalar"])
+
+
+def test_set_quant_gemm_switches_the_dispatched_kernel():
+    m = _module()
+    default = ops.cpu_dispatch()["quant_gemm"]
+    w = random_blocks(Q.Q4_K, 16, 512)
+    x = torch.randn(3, 512)
+    want = m.quant_linear(x, [w], [int(Q.Q4_K)], "scalar")
+    try:
+        for impl in m.quant_impls()[::-1]:
+            ops.set_quant_gemm(impl)
+            assert ops.cpu_dispatch()["quant_gemm"] == impl == m.quant_impls()[0]
+            assert torch.equal(m.quant_linear(x, [w], [int(Q.Q4_K)]), want)
+        with pytest.raises(RuntimeError, match="not one this CPU runs"):
+            ops.set_quant_gemm("sse9")
+    finally:
+        ops.set_quant_gemm(default)
+    assert ops.cpu_dispatch()["quant_gemm"] == default
 
 
 X8 = int(Q.Q4_K) | quant.X8  # Q4_K with every 8 rows interleaved (csrc/cpu/quant_blocks.h)

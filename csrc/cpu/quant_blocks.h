@@ -192,6 +192,7 @@ struct Problem {
 void gemm_scalar(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo);
 void gemm_avx2(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo);
 void gemm_avx512vnni(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo);
+void gemm_avx512vnni_512(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo);  // 512-bit x8
 
 }  // namespace quant
 }  // namespace swiftspec

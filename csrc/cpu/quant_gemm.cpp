@@ -9,14 +9,21 @@
 // (never K), so the result does not depend on the thread count.
 //
 // The kernel is picked at run time from the CPU's features (cpuid through
-// __builtin_cpu_supports), not from the machine that compiled it: AVX-512 VNNI, else AVX2 + FMA +
+// __builtin_cpu_supports), not from the machine that compiled it: AVX-512 VNNI (its interleaved
+// kernels on 512-bit registers where that measured faster, cpu_prefers_512), else AVX2 + FMA +
 // F16C, else the portable scalar loop; `impl` names one for the tests.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,31 +52,70 @@ bool cpu_has_avx512vnni() {
 #endif
 }
 
+// AMD family 0x1A and later (Zen 5): 512-bit integer ops at full width, where the 512-bit
+// interleaved kernels measured faster than the 256-bit ones at 1-4 rows (bench/RESULTS.md, run 18;
+// above 4 rows that impl runs the 256-bit code, quant_gemm_simd.h). Elsewhere (Zen 4 runs
+// 512-bit ops in two halves; the Intel CPUs were not measured) the 256-bit kernel stays first.
+bool cpu_prefers_512() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+  return family >= 0x1A;
+#else
+  return false;
+#endif
+}
+
 using GemmFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 
-// The kernels this CPU can run, fastest first (cpuid is read once).
-const std::vector<std::string>& impls() {
-  static const std::vector<std::string> v = [] {
+// The kernels this CPU can run, fastest first (cpuid is read once); "auto" runs the first.
+// SWIFTSPEC_QUANT_GEMM=<impl> in the environment, or set_impl, puts another one this CPU runs
+// first (ablations; the benchmarks' records say which ran).
+std::vector<std::string>& impls() {
+  static std::vector<std::string> v = [] {
     std::vector<std::string> r;
-    if (cpu_has_avx512vnni()) r.emplace_back("avx512_vnni");
+    if (cpu_has_avx512vnni()) {
+      if (cpu_prefers_512()) {
+        r.emplace_back("avx512_vnni_512");
+        r.emplace_back("avx512_vnni");
+      } else {
+        r.emplace_back("avx512_vnni");
+        r.emplace_back("avx512_vnni_512");
+      }
+    }
     if (cpu_has_avx2()) r.emplace_back("avx2");
     r.emplace_back("scalar");
+    if (const char* e = std::getenv("SWIFTSPEC_QUANT_GEMM")) {
+      const auto it = std::find(r.begin(), r.end(), std::string(e));
+      if (it != r.end()) std::rotate(r.begin(), it, it + 1);
+    }
     return r;
   }();
   return v;
 }
 
+void set_impl(const std::string& name) {
+  std::vector<std::string>& r = impls();
+  const auto it = std::find(r.begin(), r.end(), name);
+  TORCH_CHECK(it != r.end(), "quant_set_impl: '", name, "' is not one this CPU runs (", c10::Join(", ", r), ")");
+  std::rotate(r.begin(), it, it + 1);
+}
+
 GemmFn kernel(const std::string& name) {
   const std::string n = name == "auto" ? impls().front() : name;
-  if (n == "avx512_vnni") {
+  if (n == "avx512_vnni" || n == "avx512_vnni_512") {
     TORCH_CHECK(cpu_has_avx512vnni(), "quant_linear: this CPU lacks AVX-512 VNNI");
-    return gemm_avx512vnni;
+    return n == "avx512_vnni" ? gemm_avx512vnni : gemm_avx512vnni_512;
   }
   if (n == "avx2") {
     TORCH_CHECK(cpu_has_avx2(), "quant_linear: this CPU lacks AVX2/FMA");
     return gemm_avx2;
   }
-  TORCH_CHECK(n == "scalar", "quant_linear: unknown impl '", name, "' (auto, scalar, avx2, avx512_vnni)");
+  TORCH_CHECK(n == "scalar", "quant_linear: unknown impl '", name,
+              "' (auto, scalar, avx2, avx512_vnni, avx512_vnni_512)");
   return gemm_scalar;
 }
 
@@ -236,7 +282,7 @@ void register_quant_gemm(pybind11::module_& m) {
   m.def("quant_linear", &quant::quant_linear, pybind11::arg("x"), pybind11::arg("weights"),
         pybind11::arg("types"), pybind11::arg("impl") = "auto",
         "y [M, sum N_i] fp32 = x [M, K] (fp32/bf16) @ dequant(W).T for GGUF block weights given as parts "
-        "W_i [N_i, row_bytes] uint8 of ggml types types[i]; impl: auto, scalar, avx2, avx512_vnni");
+        "W_i [N_i, row_bytes] uint8 of ggml types types[i]; impl: auto, scalar, avx2, avx512_vnni, avx512_vnni_512");
   m.def("quant_activations", &quant::quantize_activations, pybind11::arg("x"), pybind11::arg("type"),
         "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them");
   m.def("quant_interleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, true); },
@@ -244,7 +290,10 @@ void register_quant_gemm(pybind11::module_& m) {
         "[N, row_bytes] uint8 plain blocks -> the same bytes in the 8-row interleaved layout of x8_type (N % 8 == 0)");
   m.def("quant_deinterleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, false); },
         pybind11::arg("w"), pybind11::arg("x8_type"), "the inverse of quant_interleave");
-  m.def("quant_impls", [] { return quant::impls(); }, "the quantized-GEMM kernels this CPU runs, fastest first");
+  m.def("quant_impls", [] { return quant::impls(); },
+        "the quantized-GEMM kernels this CPU runs, the one \"auto\" runs first (by default the fastest)");
+  m.def("quant_set_impl", &quant::set_impl, pybind11::arg("impl"),
+        "make `impl` (one of quant_impls()) the kernel \"auto\" runs in this process");
 }
 
 }  // namespace swiftspec

@@ -1,8 +1,14 @@
-// AVX-512 VNNI kernel of the quantized skinny GEMM: vpdpbusd on 256-bit registers (AVX512VL),
-// the same lanes as the AVX2 kernel so the results are bit-identical (quant_gemm_simd.h).
+// AVX-512 VNNI kernels of the quantized skinny GEMM: vpdpbusd on 256-bit registers (AVX512VL),
+// the same lanes as the AVX2 kernel so the results are bit-identical (quant_gemm_simd.h), and a
+// second entry point whose interleaved kernels take two consecutive 32-byte weight registers per
+// 512-bit vector (quant_gemm_vec.h; again the same bits).
 // Compiled for AVX-512 F/BW/VL/VNNI whatever the build machine; run only where the CPU has them
 // (quant_gemm.cpp checks at run time).
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+// GCC 12 reports the undefined pass-through operand inside its own 512-bit intrinsics
+// (_mm512_undefined_epi32) as uninitialized once they are inlined: a false positive.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -42,4 +48,6 @@ static inline __m256i dot_0(__m256i aq, __m256i sx) {
 #define QG_X8_ROWS 8
 #endif
 #define QG_ENTRY gemm_avx512vnni
+#define QG_ZMM
+#define QG_ENTRY_ZMM gemm_avx512vnni_512
 #include "quant_gemm_simd.h"

@@ -65,8 +65,10 @@ def cpu_dispatch() -> dict[str, str]:
     """The one ISA-dispatch point of the CPU kernels: which implementation each op family runs on
     this CPU ("torch" where the twin would only have its scalar loop, which loses to PyTorch).
 
-    Keys (:data:`CPU_FAMILIES`): ``quant_gemm`` (GGUF blocks: "avx512_vnni", "avx2" or "scalar",
-    picked at run time from cpuid; the scalar loop only where no SIMD one exists), ``skinny_gemm``
+    Keys (:data:`CPU_FAMILIES`): ``quant_gemm`` (GGUF blocks: "avx512_vnni_512" (interleaved
+    weights on 512-bit registers: AMD Zen 5, where that measured faster), "avx512_vnni", "avx2" or
+    "scalar", picked at run time from cpuid; the scalar loop only where no SIMD one exists;
+    :func:`set_quant_gemm` overrides), ``skinny_gemm``
     (float/int8 weights: "avx512_bf16", "avx512" or "torch"), ``tree_attention`` ("avx512", "avx2"
     or "torch") and ``rms_norm`` ("cpp": portable C++ the compiler vectorizes). Recorded in the
     engine's metrics and the benchmark records. All "torch" when the extension is unavailable.
@@ -78,6 +80,21 @@ def cpu_dispatch() -> dict[str, str]:
     attn = [i for i in m._tree_attention_impls() if i != "scalar"]
     return {"quant_gemm": m.quant_impls()[0], "skinny_gemm": gemm[-1] if gemm else "torch",
             "tree_attention": attn[-1] if attn else "torch", "rms_norm": "cpp"}
+
+
+def set_quant_gemm(impl: str) -> None:
+    """Make ``impl`` (one of the quantized-GEMM kernels this CPU runs: "avx512_vnni_512",
+    "avx512_vnni", "avx2", "scalar") the one every GGUF weight op of this process runs, as
+    ``SWIFTSPEC_QUANT_GEMM=impl`` does from the start (benchmarks compare them side by side).
+
+    Raises:
+        RuntimeError: this CPU cannot run ``impl``, or the CPU extension is unavailable.
+    """
+    m = _cpu_module()
+    if m is None:
+        raise RuntimeError("set_quant_gemm: the CPU kernels are unavailable")
+    m.quant_set_impl(impl)
+    cpu_dispatch.cache_clear()
 
 
 def _cpu_twin(family: str) -> bool:
