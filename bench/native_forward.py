@@ -8,7 +8,8 @@ of 5 ``torch.sum`` passes over a 1 GiB fp32 tensor with the same thread count, m
 same run. Native weights in the kernels' layout (Q4_K and the 32-value types interleaved by 8 rows) and in the file's
 plain layout, side by side; also the same forward with every weight dequantized
 (``weights="float32"``) and with the kernels off (the PyTorch path of the same arithmetic). Prints
-a table and writes JSON (--out).
+a table and writes JSON (--out). ``--quant-gemm`` runs the interleaved forward once per named
+quantized-GEMM kernel (default: the one dispatch picks), side by side.
 
     python bench/native_forward.py --threads 2 --out bench/results/native-forward-avx2.json
     python bench/native_forward.py --model draft --threads 2 --out bench/results/native-forward-draft-avx2.json
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--model", choices=["target", "draft"], default="target")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quant-gemm", nargs="+", metavar="IMPL",
+                    help="quantized-GEMM kernels to time the interleaved layout with (ops.set_quant_gemm)")
     ap.add_argument("--out")
     args = ap.parse_args()
     path = fetch_default_pair(progress=False)[0 if args.model == "target" else 1]
@@ -81,22 +84,30 @@ def main() -> None:
 
     model_name = cpu_model_name()
     rows_out = []
-    for weights, kernels, layout in (("native", True, "x8"), ("native", True, "plain"), ("native", False, "plain"),
-                                     ("float32", True, "-")):
+    default_impl = ops.cpu_dispatch()["quant_gemm"]
+    configs = [("native", True, "x8", impl) for impl in (args.quant_gemm or [default_impl])]
+    configs += [("native", True, "plain", default_impl), ("native", False, "plain", "-"), ("float32", True, "-", "-")]
+    for weights, kernels, layout, impl in configs:
         ops.set_kernels(kernels)
         ops.set_quant_x8(layout == "x8")
+        ops.set_quant_gemm(impl if impl != "-" else default_impl)
         model = load_model(path, dtype=torch.float32, max_positions=512, weights=weights)
         nbytes = read_bytes(model, vocab)
         for rows in (1, 2, 4, 8):
             t = time_forward(model, rows, args.rounds, vocab)
-            rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "rows": rows, "ms": t * 1e3,
-                             "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9, "of_bandwidth": nbytes / t / bw})
-            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} rows={rows:2d} {t * 1e3:8.1f} ms "
-                  f"{nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / bw:5.0%} of {bw / 1e9:.1f} GB/s", flush=True)
+            rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "quant_gemm": impl, "rows": rows,
+                             "ms": t * 1e3, "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9,
+                             "of_bandwidth": nbytes / t / bw})
+            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} {impl:15s} rows={rows:2d} "
+                  f"{t * 1e3:8.1f} ms {nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / bw:5.0%} of {bw / 1e9:.1f} GB/s",
+                  flush=True)
         del model
+    ops.set_quant_gemm(default_impl)
     ops.set_kernels(True)
     ops.set_quant_x8(True)
-    record = {"command": "python bench/native_forward.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),
+    argv = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                    for k, v in vars(args).items() if v)
+    record = {"command": "python bench/native_forward.py " + argv,
               "model": args.model,
               "cpu": model_name, "isa": ops.cpu_dispatch(), "cpu_flags": flags.split(":", 1)[-1].split(),
               "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "rows": rows_out}

@@ -31,12 +31,16 @@ def render(record) -> str:
     if isinstance(record, dict) and "bandwidth_gb_s" in record:
         lines = [f"{record.get('model', 'target')} model, read bandwidth {record['bandwidth_gb_s']:.1f} GB/s, "
                  f"{record['threads']} threads",
-                 "", "| weights | kernels | layout | rows | ms | weight GB/s | of bandwidth |",
-                 "|---|---|---|---|---|---|---|"]
-        # older records predate the interleaved layout: their native weights were plain
+                 "", "| weights | kernels | layout | quantized GEMM | rows | ms | weight GB/s | of bandwidth |",
+                 "|---|---|---|---|---|---|---|---|"]
+        # older records predate the interleaved layout (their native weights were plain) and the
+        # per-row kernel name (the record's dispatch then)
+        default = record.get("isa", {}).get("quant_gemm", "-")
         lines += [f"| {r['weights']} | {'on' if r['kernels'] else 'off'} | "
-                  f"{r.get('layout', 'plain' if r['weights'] == 'native' else '-')} | {r['rows']} | {r['ms']:.1f} | "
-                  f"{r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} % |" for r in record["rows"]]
+                  f"{r.get('layout', 'plain' if r['weights'] == 'native' else '-')} | "
+                  f"{r.get('quant_gemm', default if r['weights'] == 'native' and r['kernels'] else '-')} | "
+                  f"{r['rows']} | {r['ms']:.1f} | {r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} % |"
+                  for r in record["rows"]]
         return "\n".join(lines)
     if isinstance(record, dict) and record.get("rows") and "top1_agreement" in record["rows"][0]:
         lines = ["| weights | kernels | tokens | top-1 agreement with llama.cpp | mean KL, nats |", "|---|---|---|---|---|"]
