@@ -227,7 +227,7 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
         from swiftspec import ops
 
         isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
-        if isa == "avx512_vnni":
+        if isa.startswith("avx512_vnni"):  # either width of the VNNI kernel (run 16-18)
             return "serial", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
                               f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
                 {} if own else dict(SHALLOW_TREE)

@@ -165,7 +165,8 @@ def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, mon
     monkeypatch.setattr(engine, "_available_cores", lambda: [0, 1])
     monkeypatch.setattr(engine, "_numa_nodes", lambda: 1)
     from swiftspec import ops
-    for isa, want in (("avx512_vnni", ("serial", engine.SHALLOW_TREE)), ("avx2", ("autoregressive", {}))):
+    for isa, want in (("avx512_vnni", ("serial", engine.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", engine.SHALLOW_TREE)),
+                      ("avx2", ("autoregressive", {}))):
         monkeypatch.setattr(ops, "cpu_dispatch", lambda isa=isa: {"quant_gemm": isa})
         mode, why, tree = engine.choose_mode(auto, True, None)
         assert (mode, tree) == want and isa in why
