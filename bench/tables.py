@@ -24,6 +24,10 @@ def render(record) -> str:
     """The markdown of one record file's content. Raises ValueError for an unknown kind."""
     from swiftspec.benchmark import e2e, kernels
 
+    if isinstance(record, dict) and "records" in record:  # swiftspec bench --out, with its machine
+        m = record["machine"]
+        return (f"`{record['command']}` on {m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), "
+                f"{m['cores']} cores, kernels {m['isa']}\n\n" + render(record["records"]))
     if isinstance(record, list) and record and "system" in record[0]:
         return e2e.markdown(record)
     if isinstance(record, dict) and "cases" in record:

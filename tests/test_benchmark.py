@@ -70,6 +70,19 @@ def test_tables_and_chart(tmp_path):
     assert "| hf |" in md and "| 0/1 |" in md and "| 2/2 |" in md
     bar_chart(recs, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").stat().st_size > 1000
+    # the --out file: the records with the command and the machine (CPU family and flags, dispatch)
+    import importlib.util
+    from pathlib import Path
+
+    from swiftspec.benchmark.e2e import machine_record
+    m = machine_record()
+    assert m["cpu"] and m["cores"] >= 1 and set(m["isa"]) >= {"quant_gemm", "tree_attention"}
+    assert ("avx2" in m["cpu_flags"]) == ("avx2" in Path("/proc/cpuinfo").read_text())
+    spec = importlib.util.spec_from_file_location("tables", Path(__file__).resolve().parents[1] / "bench" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    out = tables.render({"command": "swiftspec bench --num-prompts 1", "machine": m, "records": recs})
+    assert out.startswith("`swiftspec bench --num-prompts 1` on ") and md in out
 
 
 def test_profile_keeps_defaults_unless_clearly_faster():
@@ -256,5 +269,12 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
         tps, ratio = rows16[system]
         assert f"| {tps.strip()} | {ratio.strip()} |" in readme, system
+    rows18 = {}
+    for line in out["run18-zen5-avx512-6x5-shallow.json"].splitlines():
+        if line.startswith("| "):
+            rows18.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
+    for system, label in (("swiftspec-profiled", "SwiftSpec `serial`, bs 2, d 1"), ("autoregressive", "our `autoregressive`"),
+                          ("llama-cpp", "llama.cpp on the same GGUF")):
+        assert any(line.startswith(f"| {label}") and f"| {rows18[system]} |" in line for line in readme.splitlines()), system
     with pytest.raises(ValueError):
         tables.render({"something": "else"})

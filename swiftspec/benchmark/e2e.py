@@ -363,6 +363,28 @@ def run(args: argparse.Namespace) -> list[dict]:
     return records
 
 
+def machine_record() -> dict:
+    """What the numbers depend on besides the code: the CPU's model, family and flags (from
+    ``/proc/cpuinfo``), the cores this process may use, the kernel each CPU op family dispatches
+    to (:func:`swiftspec.ops.cpu_dispatch`) and the torch version."""
+    import torch
+
+    from swiftspec import ops
+    from swiftspec.machine_profile import cpu_model_name
+
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            if ":" in line:
+                k, v = line.split(":", 1)
+                info[k.strip()] = v.strip()
+    except OSError:
+        pass
+    return {"cpu": cpu_model_name(), "vendor": info.get("vendor_id"), "cpu_family": info.get("cpu family"),
+            "cpu_model": info.get("model"), "cpu_flags": info.get("flags", "").split(),
+            "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__}
+
+
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
     records = run(args)
@@ -377,7 +399,10 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     table = markdown(records)
     print(f"{title} ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}")
     (out / "e2e.md").write_text(f"{title}\n\n{table}\n")
-    (out / "e2e.json").write_text(json.dumps(records, indent=1))
+    # the records with the command and the machine they ran on (bench/tables.py renders either form)
+    command = "swiftspec bench " + " ".join(sys.argv[2:] if argv is None else argv)
+    (out / "e2e.json").write_text(json.dumps({"command": command, "machine": machine_record(), "records": records},
+                                             indent=1))
     try:
         bar_chart(records, out / "e2e.png", title)
         print(f"\nchart: {out / 'e2e.png'}")
