@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Iterator
 
+from swiftspec.detokenize import IncrementalText
 from swiftspec.draft_state import TreeParams
 from swiftspec.metrics import RequestMetrics
 from swiftspec.sampling import SamplingParams, TokenLogprob
@@ -99,6 +100,7 @@ class _Collected:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sent: int = 0  # tokens handed out in chunks so far
+    detok: IncrementalText | None = None  # the streamed text, decoded a window at a time
 
     def unsent(self, with_logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
         """The tokens (and their log-probabilities, if asked for) not yet in a chunk; marks them sent."""
@@ -612,7 +614,9 @@ class Engine:
                 st.events.append((t, len(new)))
                 st.tokens += new
                 st.logprobs += lps
-                text = self._text(st.tokens, req.params.stop)
+                if st.detok is None:
+                    st.detok = IncrementalText(self.tokenizer, req.params.stop)
+                text = st.detok.add(new)
                 text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]  # may still become a stop
                 if text.startswith(st.text) and len(text) > len(st.text):
                     delta, st.text = text[len(st.text):], text
@@ -638,12 +642,12 @@ class Engine:
                 self._fail("workers did not acknowledge a cancelled request within 30 s")
 
     def _text(self, ids: list[int], stop: tuple[str, ...]) -> str:
+        """The final text: all of ``ids`` decoded once, cut before the earliest stop string (the
+        rule of the streamed text, :class:`IncrementalText`), an unfinished character dropped."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in stop:
-            i = text.find(s)
-            if i >= 0:
-                text = text[:i]
-        # hold back an incomplete UTF-8 sequence until its last byte arrives
+        hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+        if hits:
+            text = text[:min(hits)]
         return text.rstrip("\ufffd")
 
     # ---- lifecycle ----------------------------------------------------------------------
