@@ -5,8 +5,8 @@ For 1, 4 and 8 rows (a one-token step and verifications; for the draft, expansio
 reads (every block of the model's GGUF layers and the LM-head rows it computes: all for the
 target, the engine's ``draft_vocab`` = 32768 for the draft) and the fraction of the read bandwidth that is, the bandwidth being the best
 of 5 ``torch.sum`` passes over a 1 GiB fp32 tensor with the same thread count, measured in the
-same run. Native weights in the kernels' layout (Q4_K and the 32-value types interleaved by 8 rows) and in the file's
-plain layout, side by side; also the same forward with every weight dequantized
+same run. Native weights in the kernels' layout (Q4_K, Q6_K and the 32-value types interleaved by
+8 rows, or by 16 where the 512-bit kernel runs) and in the file's plain layout, side by side; also the same forward with every weight dequantized
 (``weights="float32"``) and with the kernels off (the PyTorch path of the same arithmetic). Prints
 a table and writes JSON (--out). ``--quant-gemm`` runs the interleaved forward once per named
 quantized-GEMM kernel (default: the one dispatch picks), side by side.
@@ -91,6 +91,8 @@ def main() -> None:
         ops.set_kernels(kernels)
         ops.set_quant_x8(layout == "x8")
         ops.set_quant_gemm(impl if impl != "-" else default_impl)
+        if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
+            layout = f"x{ops.quant_interleave_rows()}"
         model = load_model(path, dtype=torch.float32, max_positions=512, weights=weights)
         nbytes = read_bytes(model, vocab)
         for rows in (1, 2, 4, 8):

@@ -83,8 +83,9 @@ def test_engine_logits_equal_the_dequantized_reference(awq_dir, converted):
     native = load_model(fp32_dir, dtype=torch.float32, weights="native")
     # AWQ4 blocks, interleaved by 8 rows where the SIMD kernels read that layout
     qkv, down = native.layers[0].self_attn.qkv_proj.native, native.layers[1].mlp.down_proj.native
-    assert [t & ~quant.X8 for t in qkv.types] == [quant.AWQ4] * 3
-    assert down.types == [quant.AWQ4 | (quant.X8 if ops.quant_x8_enabled() and down.out_features % 8 == 0 else 0)]
+    g = ops.quant_interleave_rows()
+    assert [quant.base_type(t) for t in qkv.types] == [quant.AWQ4] * 3
+    assert down.types == [quant.interleaved_type(quant.AWQ4, down.out_features, 0, g) if g else quant.AWQ4]
     assert native.layers[0].all_native
     on = _prefill(native, ids)
     ops.set_kernels(False)

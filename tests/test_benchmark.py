@@ -191,9 +191,13 @@ def test_kernel_bench_quant_cases():
         s = c.summary()
         int4 = {"torch int4 (bf16, group 32)"} if "AWQ4" in c.shape else set()
         # every type runs interleaved as the engine loads it, with the file's plain layout beside
-        plain = {"ours, plain layout"} if "_X8" in c.shape else set()
-        assert ("_X8" in c.shape) == ops.quant_x8_enabled()
-        assert {f"ours, {i} kernel" for i in ext.quant_impls()[1:]} | {
+        inter = "_X8" in c.shape or "_X16" in c.shape
+        plain = {"ours, plain layout"} if inter else set()
+        assert inter == ops.quant_x8_enabled() and ("_X16" in c.shape) == (ops.quant_interleave_rows() == 16)
+        layout = c.shape.split()[3]  # the type name as the engine loads it (Q4_K_X16, Q6_K_X8, ...)
+        x8_name = layout.replace("_X16", "_X8")
+        assert {f"ours, {i} kernel, {layout if i in ('avx512_vnni_512', 'scalar') else x8_name}"
+                for i in ext.quant_impls()[1:]} | {
             "kernels off (int8 x fp32, PyTorch)", "F.linear fp32 dequantized", "F.linear bf16 dequantized"} | int4 \
             | plain == set(s["baselines"])
         assert s["ours_gb_s"] > 0 and s["weight_bytes"] == c.weight_bytes

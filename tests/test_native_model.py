@@ -36,14 +36,16 @@ def test_layers_keep_the_blocks_they_have_kernels_for(gguf_dirs, capsys):
     m = load_model(gguf_dirs[0], dtype=torch.float32, weights="native")
     layer = m.layers[0]
     qkv = layer.self_attn.qkv_proj.native
-    # the blocks stay as they are, interleaved by 8 rows where the SIMD kernels read that layout
-    assert [t & ~quant.X8 for t in qkv.types] == [int(Q.Q8_0)] * 3
+    # the blocks stay as they are, interleaved by 16 or 8 rows where the SIMD kernels read that layout
+    g = ops.quant_interleave_rows()
+    assert [quant.base_type(t) for t in qkv.types] == [int(Q.Q8_0)] * 3
+    start = 0
     for t, part in zip(qkv.types, qkv.parts):
-        assert bool(t & quant.X8) == (ops.quant_x8_enabled() and part.shape[0] % 8 == 0)
+        assert t == (quant.interleaved_type(int(Q.Q8_0), part.shape[0], start, g) if g else int(Q.Q8_0))
+        start += part.shape[0]
     assert layer.self_attn.qkv_proj.weight is None
     down = layer.mlp.down_proj.native
-    x8 = ops.quant_x8_enabled() and down.out_features % 8 == 0
-    assert down.types == [int(Q.Q4_K) | (quant.X8 if x8 else 0)]
+    assert down.types == [quant.interleaved_type(int(Q.Q4_K), down.out_features, 0, g) if g else int(Q.Q4_K)]
     assert layer.mlp.gate_up_proj.native is None  # ffn_up is F16: the fused layer stays float
     assert m.embed_tokens.native is not None and m.lm_head.native is not None
     f = load_model(gguf_dirs[0], dtype=torch.float32, weights="float32")

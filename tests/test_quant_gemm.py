@@ -245,6 +245,55 @@ def test_interleaved_bad_shapes_raise():
     assert quant.x8_type(int(Q.Q4_K), 16) == X8 and quant.x8_type(quant.AWQ4, 16) == quant.AWQ4 | quant.X8
 
 
+@pytest.mark.parametrize("t", X8_TYPES, ids=_name)
+def test_16_row_layout_equals_plain_bit_for_bit(t):
+    """The 16-row layout (read by avx512_vnni_512 and scalar): the same bits as the plain blocks at
+    every row count, alone or fused with 8-row and plain parts; the other kernels refuse it."""
+    m = _module()
+    k = 768
+    w = random_blocks(t, 64, k, seed=5)
+    tx = t | quant.X16
+    wx = quant.interleave(w, tx)
+    assert not torch.equal(wx, quant.interleave(w, t | quant.X8)) and torch.equal(quant.deinterleave(wx, tx), w)
+    assert torch.equal(quant.dequantize(wx, tx), quant.dequantize(w, t))
+    readers = [i for i in m.quant_impls() if i in ("avx512_vnni_512", "scalar")]
+    for rows in (1, 2, 3, 5, 8, 16, 21):
+        x = torch.randn(rows, k)
+        plain = m.quant_linear(x, [w], [t], "scalar")
+        for impl in readers:
+            assert torch.equal(m.quant_linear(x, [wx], [tx], impl), plain), (impl, rows)
+            w8 = quant.interleave(w[:24], t | quant.X8)
+            fused = m.quant_linear(x, [wx, w8, w[:8]], [tx, t | quant.X8, t], impl)
+            assert torch.equal(fused, torch.cat([plain, plain[:, :24], plain[:, :8]], dim=1)), (impl, rows)
+    for impl in set(m.quant_impls()) - set(readers):
+        with pytest.raises(RuntimeError, match="16-row interleaved layout"):
+            m.quant_linear(torch.randn(2, k), [wx], [tx], impl)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        m.quant_linear(torch.randn(2, k), [wx[:24]], [tx], "scalar")
+    assert quant.group_rows(tx) == 16 and quant.base_type(tx) == t
+    assert quant.interleaved_type(t, 32, 16, 16) == tx and quant.interleaved_type(t, 24, 0, 16) == t | quant.X8
+
+
+def test_16_row_layout_rows_are_batch_and_thread_invariant():
+    m = _module()
+    if "avx512_vnni_512" not in m.quant_impls():
+        pytest.skip("this CPU lacks AVX-512 VNNI (the 16-row layout's SIMD reader)")
+    for t in (int(Q.Q4_K), int(Q.Q6_K), int(Q.Q5_0), int(Q.Q8_0)):
+        wx = quant.interleave(random_blocks(t, 80, 512), t | quant.X16)
+        x = torch.randn(16, 512)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = torch.cat([m.quant_linear(x[i:i + 1], [wx], [t | quant.X16], "avx512_vnni_512") for i in range(16)])
+            torch.set_num_threads(max(2, threads))
+            for n in (2, 4, 8, 16):
+                for start in range(0, 16, n):
+                    y = m.quant_linear(x[start:start + n], [wx], [t | quant.X16], "avx512_vnni_512")
+                    assert torch.equal(y, alone[start:start + n]), (t, n, start)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_gguf_weight_interleaves_at_load_and_reads_back():
     from swiftspec.layers.gguf import GGUFWeight
 
@@ -252,8 +301,10 @@ def test_gguf_weight_interleaves_at_load_and_reads_back():
     k = 512
     q, v = random_blocks(Q.Q4_K, 16, k, 1), random_blocks(Q.Q5_K, 8, k, 2)
     plain = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q5_K)])
-    inter = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q5_K)], interleave=True)
+    inter = GGUFWeight(k, [16, 8], [int(Q.Q4_K), int(Q.Q5_K)], interleave=8)
     assert inter.types == [X8, int(Q.Q5_K)]  # Q5_K has no interleaved layout
+    assert GGUFWeight(k, [16, 8, 16], [int(Q.Q4_K)] * 3, interleave=16).types == [
+        int(Q.Q4_K) | quant.X16, X8, X8]  # 8 rows, or a part starting at column 24: the 8-row layout
     for wgt in (plain, inter):
         wgt.weight_loader(wgt.parts[0], q, "q")
         wgt.weight_loader(wgt.parts[1], v, "k")

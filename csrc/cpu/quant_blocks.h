@@ -20,7 +20,8 @@
 //                   y = fma(float(isum), d * da, y) and y = fma(-float(msum), dmin * da, y)
 //                   (Q6_K: dmin = 32 * d).
 //
-// Q4_K, Q6_K and the 32-value types also come in an 8-row interleaved layout (type | kX8, made once at load by
+// Q4_K, Q6_K and the 32-value types also come in an 8-row interleaved layout (type | kX8; and a 16-row one,
+// type | kX16, x16_source, for the 512-bit kernel; made once at load by
 // interleave_x8): every group of 8 rows is stored as one run of blocks of 8 * block_bytes bytes
 // that holds exactly the bytes of the 8 rows' blocks, permuted (x8_source) so that one 32-byte
 // load gives 4 consecutive quant bytes of each of the 8 rows. The SIMD kernels then keep one
@@ -47,8 +48,14 @@ enum GgmlType : int { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, k
 // The 8-row interleaved layout flag (or-ed into a type id: Q4_K | kX8 = 268). Q4_K, Q6_K and the
 // 32-value types have it; Q5_K (not in the default pair) stays plain.
 constexpr int kX8 = 0x100;
+// The 16-row interleaved layout flag (Q4_K | kX16 = 524): the same types, read by the 512-bit
+// kernel (gemm_avx512vnni_512) and the scalar one; x16_source says where its bytes come from.
+constexpr int kX16 = 0x200;
 static inline bool is_x8(int type) { return (type & kX8) != 0; }
-static inline int base_type(int type) { return type & ~kX8; }
+static inline bool is_x16(int type) { return (type & kX16) != 0; }
+static inline int base_type(int type) { return type & ~(kX8 | kX16); }
+// rows per interleaved group: 16, 8, or 1 for the plain layout
+static inline int group_rows(int type) { return is_x16(type) ? 16 : (is_x8(type) ? 8 : 1); }
 
 // Values per block: 256 for the K (super-block) types, 32 for the others (either layout).
 static inline int block_values(int type) {
@@ -58,7 +65,8 @@ static inline int block_values(int type) {
 
 // Bytes per block, 0 for a type without a kernel (in that layout).
 static inline int block_bytes(int type) {
-  if (is_x8(type) && base_type(type) == kQ5_K) return 0;  // no interleaved layout (has_x8)
+  if (group_rows(type) > 1 && base_type(type) == kQ5_K) return 0;  // no interleaved layout (has_x8)
+  if (is_x8(type) && is_x16(type)) return 0;
   switch (base_type(type)) {
     case kQ4_0: return 18;
     case kQ5_0: return 22;
@@ -126,6 +134,32 @@ static inline int x8_source(int base, int i) {
     return r / 4 * bb + qs + 4 * reg + r % 4;
   }
   return -1;
+}
+
+// Bytes before the first 32-byte register in an 8-row group block: the 16-byte fields of 8 fp16
+// (or 8 + 8 bytes) values: d and dmin (Q4_K), d and the zeros (AWQ4), d alone (the others).
+static inline int x8_header_bytes(int base) { return base == kQ4_K || base == kAWQ4 ? 32 : 16; }
+
+// 16-row interleaved layout: the 8-row group blocks of rows 0-7 (half h = 0) and 8-15 (h = 1)
+// merged field by field, so that every load of the 512-bit kernel is one contiguous read: the
+// byte at offset r of a field of u bytes (u = 16 in the header, 32 for the registers) that starts
+// at f in half h's 8-row block goes to 2 f + h u + r. A field starting at f in the 8-row block
+// starts at 2 f here, rows 0-7's part first.
+// Returns the byte's source as row * bb + offset in the rows' plain blocks (16 rows), -1 for a type
+// without the layout.
+static inline int x16_source(int base, int i) {
+  const int hdr = x8_header_bytes(base);
+  int h, o;
+  if (i < 2 * hdr) {
+    h = i % 32 / 16;
+    o = i / 32 * 16 + i % 16;
+  } else {
+    const int j = i - 2 * hdr;
+    h = j % 64 / 32;
+    o = hdr + j / 64 * 32 + j % 32;
+  }
+  const int src = x8_source(base, o);
+  return src < 0 ? -1 : 8 * h * block_bytes(base) + src;
 }
 
 // IEEE half -> float (exact), without F16C so the scalar path runs anywhere.

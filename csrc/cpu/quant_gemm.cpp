@@ -52,10 +52,11 @@ bool cpu_has_avx512vnni() {
 #endif
 }
 
-// AMD family 0x1A and later (Zen 5): 512-bit integer ops at full width, where the 512-bit
-// interleaved kernels measured faster than the 256-bit ones at 1-4 rows (bench/RESULTS.md, run 18;
-// above 4 rows that impl runs the 256-bit code, quant_gemm_simd.h). Elsewhere (Zen 4 runs
-// 512-bit ops in two halves; the Intel CPUs were not measured) the 256-bit kernel stays first.
+// AMD family 0x1A and later (Zen 5): 512-bit integer ops at full width, where the 512-bit kernel
+// on the 16-row interleaved layout measured faster than the 256-bit one on the 8-row layout at
+// every row count of the target's and the draft's forward (bench/RESULTS.md, run 19). Elsewhere
+// (Zen 4 runs 512-bit ops in two halves; the Intel CPUs were not measured) the 256-bit kernel
+// stays first; the engine interleaves by 16 rows only where the dispatched kernel reads that.
 bool cpu_prefers_512() {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -199,9 +200,11 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
                 "quant_linear: weight part ", i, " must be a [N, row_bytes] uint8 CPU tensor with contiguous rows");
     TORCH_CHECK(w.size(1) == K / qk * bb, "quant_linear: weight part ", i, " has ", w.size(1),
                 " bytes per row, expected ", K / qk * bb, " for K = ", K, " and ggml type ", t);
-    TORCH_CHECK(!is_x8(t) || (w.size(0) % 8 == 0 && w.is_contiguous()),
-                "quant_linear: interleaved weight part ", i, " must be contiguous with a multiple of 8 rows, got ",
-                w.sizes());
+    const int g = group_rows(t);
+    TORCH_CHECK(g == 1 || (w.size(0) % g == 0 && w.is_contiguous()), "quant_linear: interleaved weight part ", i,
+                " must be contiguous with a multiple of ", g, " rows, got ", w.sizes());
+    TORCH_CHECK(!is_x16(t) || fn == gemm_avx512vnni_512 || fn == gemm_scalar, "quant_linear: weight part ", i,
+                " is in the 16-row interleaved layout, which only the avx512_vnni_512 and scalar kernels read");
     const int f = is_k_type(t) ? 1 : 0;
     if (!have[f]) {
       qx[f] = quantize(x, qk);
@@ -217,17 +220,17 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     p.xd = qx[f].xd.data_ptr<float>();
     p.xs = f ? qx[f].xs.data_ptr<int16_t>() : nullptr;
     p.xs32 = qx[f].xs32.data_ptr<int16_t>();
-    TORCH_CHECK(!is_x8(t) || col0[i] % 8 == 0, "quant_linear: interleaved weight part ", i,
-                " must start at a multiple of 8 output columns, starts at ", col0[i]);
+    TORCH_CHECK(col0[i] % g == 0, "quant_linear: interleaved weight part ", i, " must start at a multiple of ", g,
+                " output columns, starts at ", col0[i]);
     col0[i + 1] = col0[i] + w.size(0);
   }
   const int64_t N = col0.back();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   float* o = out.data_ptr<float>();
-  // threads take whole groups of 8 columns (an interleaved part starts at a multiple of 8)
-  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t gbegin, int64_t gend) {
-    const int64_t begin = gbegin * 8, end = std::min(gend * 8, N);
+  // threads take whole units of 16 columns (an interleaved part starts at a multiple of its group)
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t gbegin, int64_t gend) {
+    const int64_t begin = gbegin * 16, end = std::min(gend * 16, N);
     for (size_t i = 0; i < parts.size(); ++i) {
       const int64_t lo = std::max(begin, col0[i]), hi = std::min(end, col0[i + 1]);
       if (lo < hi) fn(parts[i], lo - col0[i], hi - col0[i], o + lo, N);
@@ -236,33 +239,36 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
   return out;
 }
 
-// [N, row_bytes] plain blocks <-> the 8-row interleaved layout of x8_type (quant_blocks.h).
-at::Tensor interleave(const at::Tensor& w, int64_t x8_type, bool to_x8) {
-  const int t = static_cast<int>(x8_type);
-  TORCH_CHECK(is_x8(t) && has_x8(base_type(t)), "quant_interleave: no interleaved layout for type ", x8_type);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.size(0) % 8 == 0,
-              "quant_interleave: w must be a [N, row_bytes] uint8 CPU tensor with N a multiple of 8, got ", w.sizes());
+// [N, row_bytes] plain blocks <-> the 8- or 16-row interleaved layout of `xtype` (quant_blocks.h).
+at::Tensor interleave(const at::Tensor& w, int64_t xtype, bool to_x) {
+  const int t = static_cast<int>(xtype);
+  const int g = group_rows(t);
+  TORCH_CHECK(g > 1 && has_x8(base_type(t)) && block_bytes(t) > 0, "quant_interleave: no interleaved layout for type ",
+              xtype);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.device().is_cpu() && w.size(0) % g == 0,
+              "quant_interleave: w must be a [N, row_bytes] uint8 CPU tensor with N a multiple of ", g, ", got ",
+              w.sizes());
   const int bb = block_bytes(t);
   TORCH_CHECK(w.size(1) % bb == 0, "quant_interleave: ", w.size(1), " bytes per row is not whole ", bb, "-byte blocks");
   const at::Tensor src = w.contiguous();
   at::Tensor dst = at::empty(src.sizes(), src.options());
-  const int64_t nb = w.size(1) / bb, gbytes = 8 * w.size(1);
-  std::vector<int> map(8 * bb);
-  for (int i = 0; i < 8 * bb; ++i) map[i] = x8_source(base_type(t), i);
+  const int64_t nb = w.size(1) / bb, gbytes = g * w.size(1);
+  std::vector<int> map(g * bb);
+  for (int i = 0; i < g * bb; ++i) map[i] = g == 16 ? x16_source(base_type(t), i) : x8_source(base_type(t), i);
   const uint8_t* in = src.data_ptr<uint8_t>();
   uint8_t* o = dst.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
-  at::parallel_for(0, w.size(0) / 8, 64, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* from = in + g * gbytes;
-      uint8_t* to = o + g * gbytes;
+  at::parallel_for(0, w.size(0) / g, 64, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const uint8_t* from = in + grp * gbytes;
+      uint8_t* to = o + grp * gbytes;
       for (int64_t b = 0; b < nb; ++b) {
-        for (int i = 0; i < 8 * bb; ++i) {
-          const int64_t plain = map[i] / bb * row_bytes + b * bb + map[i] % bb, x8 = b * 8 * bb + i;
-          if (to_x8)
-            to[x8] = from[plain];
+        for (int i = 0; i < g * bb; ++i) {
+          const int64_t plain = map[i] / bb * row_bytes + b * bb + map[i] % bb, x = b * g * bb + i;
+          if (to_x)
+            to[x] = from[plain];
           else
-            to[plain] = from[x8];
+            to[plain] = from[x];
         }
       }
     }
@@ -287,7 +293,8 @@ void register_quant_gemm(pybind11::module_& m) {
         "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them");
   m.def("quant_interleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, true); },
         pybind11::arg("w"), pybind11::arg("x8_type"),
-        "[N, row_bytes] uint8 plain blocks -> the same bytes in the 8-row interleaved layout of x8_type (N % 8 == 0)");
+        "[N, row_bytes] uint8 plain blocks -> the same bytes in the 8- or 16-row interleaved layout of x8_type "
+        "(a type | 0x100 or | 0x200; N a multiple of 8 or 16)");
   m.def("quant_deinterleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, false); },
         pybind11::arg("w"), pybind11::arg("x8_type"), "the inverse of quant_interleave");
   m.def("quant_impls", [] { return quant::impls(); },

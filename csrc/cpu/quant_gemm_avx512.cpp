@@ -1,7 +1,7 @@
 // AVX-512 VNNI kernels of the quantized skinny GEMM: vpdpbusd on 256-bit registers (AVX512VL),
 // the same lanes as the AVX2 kernel so the results are bit-identical (quant_gemm_simd.h), and a
-// second entry point whose interleaved kernels take two consecutive 32-byte weight registers per
-// 512-bit vector (quant_gemm_vec.h; again the same bits).
+// second entry point that also reads the 16-row interleaved layout, 16 output columns per 512-bit
+// register (quant_gemm_vec.h; again the same bits).
 // Compiled for AVX-512 F/BW/VL/VNNI whatever the build machine; run only where the CPU has them
 // (quant_gemm.cpp checks at run time).
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")

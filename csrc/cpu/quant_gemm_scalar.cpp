@@ -84,19 +84,22 @@ static void decode(int type, const uint8_t* blk, Decoded& o) {
   }
 }
 
-// Where row c's plain block byte `off` lies in an interleaved group block of `base` blocks:
-// inverse of x8_source, c * bb + off -> index.
-static const int* x8_inverse(int base) {
+// Where row c's plain block byte `off` lies in an interleaved group block of `base` blocks
+// (`rows` = 8 or 16 rows per group): inverse of x8_source / x16_source, c * bb + off -> index.
+static const int* x_inverse(int base, int rows) {
   static constexpr int kTypes[] = {kQ4_0, kQ5_0, kQ8_0, kQ4_K, kQ6_K, kAWQ4};
-  static int tables[6][8 * 256];
+  static int tables[2][6][16 * 256];
   static const bool ready = [] {
     for (int k = 0; k < 6; ++k)
-      for (int i = 0; i < 8 * block_bytes(kTypes[k]); ++i) tables[k][x8_source(kTypes[k], i)] = i;
+      for (int i = 0; i < 16 * block_bytes(kTypes[k]); ++i) {
+        if (i < 8 * block_bytes(kTypes[k])) tables[0][k][x8_source(kTypes[k], i)] = i;
+        tables[1][k][x16_source(kTypes[k], i)] = i;
+      }
     return true;
   }();
   (void)ready;
   for (int k = 0; k < 6; ++k)
-    if (kTypes[k] == base) return tables[k];
+    if (kTypes[k] == base) return tables[rows == 16 ? 1 : 0][k];
   return nullptr;
 }
 
@@ -108,20 +111,21 @@ void gemm_scalar(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t l
   const int bb = block_bytes(base);
   const int64_t nb = p.K / qk;
   const bool ktype = is_k_type(base);
-  const int* inv = is_x8(p.type) ? x8_inverse(base) : nullptr;
+  const int gr = group_rows(p.type);  // rows per interleaved group (1: plain)
+  const int* inv = gr > 1 ? x_inverse(base, gr) : nullptr;
   Decoded dec;
   uint8_t plain[256];
   for (int64_t n = n0; n < n1; ++n) {
-    // the row's blocks: in place, or gathered from its 8-row group
-    const uint8_t* wrow = p.w + (inv != nullptr ? (n / 8) * 8 : n) * p.row_bytes;
-    const int c = static_cast<int>(n % 8);
+    // the row's blocks: in place, or gathered from its interleaved group
+    const uint8_t* wrow = p.w + (n / gr) * gr * p.row_bytes;
+    const int c = static_cast<int>(n % gr);
     // every row's value, kept across the blocks of this column
     float y[16];
     for (int64_t m0 = 0; m0 < p.M; m0 += 16) {
       const int64_t mr = p.M - m0 < 16 ? p.M - m0 : 16;
       for (int64_t i = 0; i < mr; ++i) y[i] = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wrow + b * bb * (inv != nullptr ? 8 : 1);
+        const uint8_t* blk = wrow + b * bb * gr;
         if (inv != nullptr) {
           for (int off = 0; off < bb; ++off) plain[off] = blk[inv[c * bb + off]];
           blk = plain;

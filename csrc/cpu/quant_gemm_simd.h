@@ -9,7 +9,7 @@
 //   dot_0(aq, sx)      int32 lanes: sum of 4 consecutive u8 aq * s8 sx products
 //
 // and QG_ENTRY, the name of the entry point (the AVX-512 file also defines QG_ZMM and QG_ENTRY_ZMM:
-// a second entry point whose interleaved kernels run on 512-bit registers, quant_gemm_x8.h).
+// a second entry point that also reads the 16-row interleaved layout, on 512-bit registers).
 // Both primitives give the same exact integers
 // (maddubs never saturates here: |q| <= 63 for the K types and |x| <= 127), so both kernels
 // equal the scalar one bit for bit (quant_blocks.h says which operations, in which order).
@@ -202,25 +202,18 @@ namespace {
 
 // Columns in tiles of 16; inside a tile the rows go in groups of up to 8 (one set of
 // accumulators in registers), so a column's weights come from memory once and from L1/L2 for
-// the following row groups. Interleaved (x8) weights go by groups of 8 columns (n0 and n1 are
-// multiples of 8 there), their products on 512-bit registers when `wide` and the call has at most
-// kWideMaxRows rows (the same bits either way; above it the 256-bit kernel measured faster: its
-// activation operand is one broadcast load where the 512-bit one needs two, and at 8 rows those
-// loads bound both, bench/RESULTS.md run 18).
-constexpr int64_t kWideMaxRows = 4;
-
+// the following row groups. Interleaved weights go by their groups of 8 (or, in the AVX-512
+// kernel's 512-bit entry point, 16) columns; n0 and n1 are multiples of the group there.
 template <bool wide>
 void gemm(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  if (is_x8(p.type)) {
-    for (int64_t n = n0; n < n1; n += 8) {
 #ifdef QG_ZMM
-      if (wide && p.M <= kWideMaxRows) {
-        x8_group<__m512i>(p, n, out + (n - n0), ldo);
-        continue;
-      }
+  if (wide && is_x16(p.type)) {
+    for (int64_t n = n0; n < n1; n += 16) x8_group<__m512i>(p, n, out + (n - n0), ldo);
+    return;
+  }
 #endif
-      x8_group<__m256i>(p, n, out + (n - n0), ldo);
-    }
+  if (is_x8(p.type)) {
+    for (int64_t n = n0; n < n1; n += 8) x8_group<__m256i>(p, n, out + (n - n0), ldo);
     return;
   }
   constexpr int64_t kTile = 16;

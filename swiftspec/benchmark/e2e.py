@@ -366,7 +366,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 def machine_record() -> dict:
     """What the numbers depend on besides the code: the CPU's model, family and flags (from
     ``/proc/cpuinfo``), the cores this process may use, the kernel each CPU op family dispatches
-    to (:func:`swiftspec.ops.cpu_dispatch`) and the torch version."""
+    to (:func:`swiftspec.ops.cpu_dispatch`), the torch version and the ``SWIFTSPEC_*`` variables
+    of the environment (switches such as ``SWIFTSPEC_QUANT_X16``)."""
     import torch
 
     from swiftspec import ops
@@ -382,7 +383,8 @@ def machine_record() -> dict:
         pass
     return {"cpu": cpu_model_name(), "vendor": info.get("vendor_id"), "cpu_family": info.get("cpu family"),
             "cpu_model": info.get("model"), "cpu_flags": info.get("flags", "").split(),
-            "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__}
+            "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__,
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWIFTSPEC_")}}
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:

@@ -239,8 +239,13 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
     for what, ggml_type, k, n in (("gate_up", 12, hidden, 2 * inter), ("down_proj", 14, inter, hidden),
                                   ("gate_up", quant.AWQ4, hidden, 2 * inter)):
         w = _random_blocks(n, k, ggml_type, g)
-        x8 = quant.x8_type(ggml_type, n) if ops.quant_x8_enabled() else None
-        wk, tk = (quant.interleave(w, ggml_type), x8) if x8 else (w, ggml_type)  # as the engine loads it
+        group = ops.quant_interleave_rows()
+        x8 = quant.interleaved_type(ggml_type, n, 0, group) if group else None
+        x8 = x8 if x8 != ggml_type else None
+        wk, tk = (quant.interleave(w, x8), x8) if x8 else (w, ggml_type)  # as the engine loads it
+        # the other kernels read the 8-row layout where the dispatched one reads 16 rows
+        w8, t8 = (quant.interleave(w, ggml_type | quant.X8), ggml_type | quant.X8) if quant.group_rows(tk) == 16 \
+            else (wk, tk)
         int4 = _torch_int4(w) if ggml_type == quant.AWQ4 else None
         w32 = quant.dequantize(w, ggml_type)
         w16 = w32.to(torch.bfloat16)
@@ -254,7 +259,9 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
                 if x8:
                     fns["ours, plain layout"] = lambda: ext.quant_linear(x, [w], [ggml_type], "auto")
                 for impl in others:
-                    fns[f"ours, {impl} kernel"] = lambda impl=impl: ext.quant_linear(x, [wk], [tk], impl)
+                    wi, ti = (wk, tk) if impl in ("avx512_vnni_512", "scalar") else (w8, t8)
+                    fns[f"ours, {impl} kernel, {quant.ggml_name(ti)}"] = \
+                        lambda impl=impl, wi=wi, ti=ti: ext.quant_linear(x, [wi], [ti], impl)
                 fns["kernels off (int8 x fp32, PyTorch)"] = lambda: quant.torch_linear(x, [w], [ggml_type], [w32])
                 fns["F.linear fp32 dequantized"] = lambda: F.linear(x, w32)
                 fns["F.linear bf16 dequantized"] = lambda: F.linear(x16, w16)

@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
             if tp.size != 1:
                 raise ValueError("GGUF block weights are supported at TP = 1 only")
             self.native = GGUFWeight(hidden_size, [vocab_size], [gguf_type],
-                                     interleave=self.interleave_blocks and ops.quant_x8_enabled())
+                                     interleave=ops.quant_interleave_rows() if self.interleave_blocks else 0)
             self.register_parameter("weight", None)
             return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
@@ -90,8 +90,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         n_local = max(0, min(self.shard, v - self.start))
         if self.native is not None:  # TP = 1: rows [0, v) of the block table
             nat = self.native
-            # interleaved blocks come in groups of 8 rows: compute up to the group's end, keep v
-            n = min(-(-v // 8) * 8, self.vocab_size) if nat.types[0] & quant.X8 else v
+            # interleaved blocks come in groups of 8 or 16 rows: compute up to the group's end, keep v
+            g = quant.group_rows(nat.types[0])
+            n = min(-(-v // g) * g, self.vocab_size)
             y = ops.quant_linear(h, [nat.parts[0][:n]], nat.types, lambda: [nat.dequantized()[0][:n]])
             return y if n == v else y[:, :v]
         if hasattr(self, "qweight"):

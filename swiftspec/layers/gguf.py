@@ -29,15 +29,16 @@ class GGUFWeight(nn.Module):
         in_features: K, a multiple of every part's block size (32 or 256 values).
         part_sizes: output rows of each part (e.g. q, k, v sizes), summing to N.
         types: ggml type id of each part (:data:`swiftspec.ops.quant.GGML_TYPES`).
-        interleave: store the parts whose type has an 8-row interleaved layout (Q4_K, Q6_K, the 32-value types; with a
-            multiple of 8 rows) that way, for the kernels (:func:`swiftspec.ops.quant_x8_enabled`
-            says whether they run here); ``types`` then holds the interleaved id.
+        interleave: rows per interleaved group the kernels want (:func:`swiftspec.ops.quant_interleave_rows`:
+            16, 8, or 0 for the file's layout); the parts whose type has the layout (Q4_K, Q6_K, the
+            32-value types) take it where their rows and first output column allow
+            (:func:`swiftspec.ops.quant.interleaved_type`); ``types`` then holds the interleaved id.
 
     Raises:
         ValueError: a type without a kernel, or K not a multiple of a part's block size.
     """
 
-    def __init__(self, in_features: int, part_sizes: list[int], types: list[int], interleave: bool = False):
+    def __init__(self, in_features: int, part_sizes: list[int], types: list[int], interleave: int = 0):
         super().__init__()
         if len(part_sizes) != len(types):
             raise ValueError("one ggml type per part")
@@ -47,10 +48,9 @@ class GGUFWeight(nn.Module):
         self.in_features = in_features
         self.types = [int(t) for t in types]
         if interleave:  # the layout is fixed here, when the layer is built; an interleaved part must
-            # start at a multiple of 8 output columns (the kernels take whole groups of 8)
+            # start at a multiple of its group's output columns (the kernels take whole groups)
             starts = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
-            self.types = [(quant.x8_type(t, n) if s % 8 == 0 else None) or t
-                          for s, n, t in zip(starts, part_sizes, self.types)]
+            self.types = [quant.interleaved_type(t, n, s, interleave) for s, n, t in zip(starts, part_sizes, self.types)]
         self.parts = nn.ParameterList(
             nn.Parameter(torch.empty(n, quant.row_bytes(t, in_features), dtype=torch.uint8), requires_grad=False)
             for n, t in zip(part_sizes, self.types))
@@ -73,7 +73,7 @@ class GGUFWeight(nn.Module):
         if tuple(loaded.shape) != tuple(part.shape) or loaded.dtype != torch.uint8:
             raise ValueError(f"GGUF part {shard_id!r}: got {loaded.dtype} {tuple(loaded.shape)}, "
                              f"expected uint8 {tuple(part.shape)}")
-        part.data.copy_(quant.interleave(loaded, self.types[i]) if self.types[i] & quant.X8 else loaded)
+        part.data.copy_(quant.interleave(loaded, self.types[i]) if quant.group_rows(self.types[i]) > 1 else loaded)
         self._dequantized = None
 
     def dequantized(self) -> list[torch.Tensor]:
@@ -91,10 +91,11 @@ class GGUFWeight(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``ids`` (one part only: embedding tables), ``[len(ids), K]`` float32."""
         t, raw = self.types[0], self.parts[0].data
-        if t & quant.X8:  # the rows' 8-row groups, back to plain blocks
-            groups = raw.view(-1, 8, raw.shape[1])[ids // 8].reshape(-1, raw.shape[1])
-            plain = quant.deinterleave(groups, t).view(len(ids), 8, -1)
-            return quant.dequantize(plain[torch.arange(len(ids)), ids % 8], t & ~quant.X8)
+        g = quant.group_rows(t)
+        if g > 1:  # the rows' interleaved groups, back to plain blocks
+            groups = raw.view(-1, g, raw.shape[1])[ids // g].reshape(-1, raw.shape[1])
+            plain = quant.deinterleave(groups, t).view(len(ids), g, -1)
+            return quant.dequantize(plain[torch.arange(len(ids)), ids % g], quant.base_type(t))
         return quant.dequantize(raw[ids], t)
 
     def extra_repr(self) -> str:

@@ -130,7 +130,7 @@ class LinearBase(nn.Module):
         if gguf_types is not None:
             if tp.size != 1:
                 raise ValueError("GGUF block weights are supported at TP = 1 only")
-            self.native = GGUFWeight(in_local, part_sizes or [out_local], gguf_types, interleave=ops.quant_x8_enabled())
+            self.native = GGUFWeight(in_local, part_sizes or [out_local], gguf_types, interleave=ops.quant_interleave_rows())
             self.register_parameter("weight", None)
         else:
             self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)

@@ -25,7 +25,9 @@ from swiftspec.ops import reference
 # SWIFTSPEC_KERNELS=0 in the environment turns them off from the start (ablations, debugging)
 _state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0",
           # SWIFTSPEC_QUANT_X8=0: GGUF weights keep the file's plain layout (set_quant_x8)
-          "x8": os.environ.get("SWIFTSPEC_QUANT_X8", "1") != "0"}
+          "x8": os.environ.get("SWIFTSPEC_QUANT_X8", "1") != "0",
+          # SWIFTSPEC_QUANT_X16=0: the 8-row layout even where the 512-bit kernel reads 16 rows
+          "x16": os.environ.get("SWIFTSPEC_QUANT_X16", "1") != "0"}
 
 
 def set_kernels(enabled: bool) -> None:
@@ -65,8 +67,9 @@ def cpu_dispatch() -> dict[str, str]:
     """The one ISA-dispatch point of the CPU kernels: which implementation each op family runs on
     this CPU ("torch" where the twin would only have its scalar loop, which loses to PyTorch).
 
-    Keys (:data:`CPU_FAMILIES`): ``quant_gemm`` (GGUF blocks: "avx512_vnni_512" (interleaved
-    weights on 512-bit registers: AMD Zen 5, where that measured faster), "avx512_vnni", "avx2" or
+    Keys (:data:`CPU_FAMILIES`): ``quant_gemm`` (GGUF blocks: "avx512_vnni_512" (weights
+    interleaved by 16 rows, read on 512-bit registers: AMD Zen 5, where that measured faster;
+    :func:`quant_interleave_rows`), "avx512_vnni", "avx2" or
     "scalar", picked at run time from cpuid; the scalar loop only where no SIMD one exists;
     :func:`set_quant_gemm` overrides), ``skinny_gemm``
     (float/int8 weights: "avx512_bf16", "avx512" or "torch"), ``tree_attention`` ("avx512", "avx2"
@@ -224,6 +227,15 @@ def set_quant_x8(enabled: bool) -> None:
     """Let GGUF weights built from now on take the interleaved layout (True, the default) or keep
     the plain one (False: benchmarks compare the two side by side)."""
     _state["x8"] = bool(enabled)
+
+
+def quant_interleave_rows() -> int:
+    """Rows per interleaved group that GGUF weights built now should take: 16 where the
+    dispatched quantized GEMM reads the 16-row layout ("avx512_vnni_512") and
+    ``SWIFTSPEC_QUANT_X16`` is not 0, 8 where :func:`quant_x8_enabled`, else 0 (the file's layout)."""
+    if not quant_x8_enabled():
+        return 0
+    return 16 if _state["x16"] and cpu_dispatch()["quant_gemm"] == "avx512_vnni_512" else 8
 
 
 def quant_x8_enabled() -> bool:

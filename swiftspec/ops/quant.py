@@ -32,6 +32,9 @@ AWQ4 = 200
 # or-ed into a type id: the same blocks with every 8 rows interleaved (csrc/cpu/quant_blocks.h,
 # x8_source), made once at load for the kernels; Q4_K, Q6_K and the 32-value types
 X8 = 0x100
+# the same with every 16 rows interleaved (x16_source): read by the 512-bit AVX-512 kernel
+# (avx512_vnni_512) and the scalar one, made at load where that kernel is dispatched
+X16 = 0x200
 
 # block type id -> (name, values per block, bytes per block), for the types with a kernel
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -48,6 +51,12 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     6 | X8: ("Q5_0_X8", 32, 22),
     8 | X8: ("Q8_0_X8", 32, 34),
     AWQ4 | X8: ("AWQ4_X8", 32, 20),
+    12 | X16: ("Q4_K_X16", 256, 144),
+    14 | X16: ("Q6_K_X16", 256, 210),
+    2 | X16: ("Q4_0_X16", 32, 18),
+    6 | X16: ("Q5_0_X16", 32, 22),
+    8 | X16: ("Q8_0_X16", 32, 34),
+    AWQ4 | X16: ("AWQ4_X16", 32, 20),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
 
@@ -90,15 +99,37 @@ def x8_type(ggml_type: int, rows: int) -> int | None:
     return t if t in GGML_TYPES and rows % 8 == 0 else None
 
 
-def _layout_op(name: str, raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    from swiftspec.ops import cpu  # the layout's one definition is the kernel's (x8_source)
+def group_rows(ggml_type: int) -> int:
+    """Rows per interleaved group of a type id: 16 (``| X16``), 8 (``| X8``) or 1 (plain)."""
+    return 16 if int(ggml_type) & X16 else (8 if int(ggml_type) & X8 else 1)
 
-    return getattr(cpu.load(), name)(raw.contiguous(), int(ggml_type) | X8)
+
+def base_type(ggml_type: int) -> int:
+    """The plain block type of a (possibly interleaved) type id."""
+    return int(ggml_type) & ~(X8 | X16)
+
+
+def interleaved_type(ggml_type: int, rows: int, start: int, group: int) -> int:
+    """The layout a part of ``rows`` rows starting at output column ``start`` takes when the
+    kernels want groups of ``group`` (16 or 8) rows: ``| X16`` where both are multiples of 16 and
+    16 is wanted, else ``| X8`` where both are multiples of 8, else the plain type."""
+    t = int(ggml_type)
+    if group >= 16 and rows % 16 == 0 and start % 16 == 0 and t | X16 in GGML_TYPES:
+        return t | X16
+    return (x8_type(t, rows) if start % 8 == 0 else None) or t
+
+
+def _layout_op(name: str, raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    from swiftspec.ops import cpu  # the layout's one definition is the kernel's (x8_source / x16_source)
+
+    t = int(ggml_type) if group_rows(ggml_type) > 1 else int(ggml_type) | X8
+    return getattr(cpu.load(), name)(raw.contiguous(), t)
 
 
 def interleave(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """``[N, row_bytes]`` uint8 blocks -> the same bytes, every 8 rows interleaved (N % 8 == 0)
-    for the kernels; needs the CPU extension. Raises RuntimeError on a type without the layout."""
+    """``[N, row_bytes]`` uint8 blocks -> the same bytes, every 16 rows interleaved for a type id
+    ``| X16`` (N % 16 == 0), else every 8 (N % 8 == 0), for the kernels; needs the CPU extension.
+    Raises RuntimeError on a type without the layout."""
     return _layout_op("quant_interleave", raw, ggml_type)
 
 
@@ -135,8 +166,8 @@ def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     Raises:
         KeyError: a type without a kernel. ValueError: ``row_bytes`` is not whole blocks.
     """
-    if int(ggml_type) & X8:
-        raw, ggml_type = deinterleave(raw, ggml_type), int(ggml_type) & ~X8
+    if group_rows(ggml_type) > 1:
+        raw, ggml_type = deinterleave(raw, ggml_type), base_type(ggml_type)
     name, qk, bb = GGML_TYPES[int(ggml_type)]
     n, nbytes = raw.shape
     if nbytes % bb:
