@@ -273,12 +273,12 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
         tps, ratio = rows16[system]
         assert f"| {tps.strip()} | {ratio.strip()} |" in readme, system
-    rows18 = {}
-    for line in out["run18-zen5-avx512-6x5-shallow.json"].splitlines():
+    rows19 = {}
+    for line in out["run19-zen5-avx512-x16-6x5-shallow.json"].splitlines():
         if line.startswith("| "):
-            rows18.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
+            rows19.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
     for system, label in (("swiftspec-profiled", "SwiftSpec `serial`, bs 2, d 1"), ("autoregressive", "our `autoregressive`"),
                           ("llama-cpp", "llama.cpp on the same GGUF")):
-        assert any(line.startswith(f"| {label}") and f"| {rows18[system]} |" in line for line in readme.splitlines()), system
+        assert any(line.startswith(f"| {label}") and f"| {rows19[system]} |" in line for line in readme.splitlines()), system
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
