@@ -77,12 +77,6 @@ def main() -> None:
     path = fetch_default_pair(progress=False)[0 if args.model == "target" else 1]
     vocab = None if args.model == "target" else 32768  # EngineConfig.draft_vocab
     bw = bandwidth(args.threads)
-    from swiftspec.ops.cpu import _cpu_flags
-
-    flags = _cpu_flags()
-    from swiftspec.machine_profile import cpu_model_name
-
-    model_name = cpu_model_name()
     rows_out = []
     default_impl = ops.cpu_dispatch()["quant_gemm"]
     configs = [("native", True, "x8", impl) for impl in (args.quant_gemm or [default_impl])]
@@ -109,9 +103,10 @@ def main() -> None:
     ops.set_quant_x8(True)
     argv = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
                     for k, v in vars(args).items() if v)
-    record = {"command": "python bench/native_forward.py " + argv,
-              "model": args.model,
-              "cpu": model_name, "isa": ops.cpu_dispatch(), "cpu_flags": flags.split(":", 1)[-1].split(),
+    from swiftspec.benchmark.e2e import machine_record
+
+    record = {"command": "python bench/native_forward.py " + argv, "model": args.model,
+              **machine_record(),  # cpu, cpu_family, cpu_flags, isa, ...
               "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "rows": rows_out}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,10 @@
 
 Decoding the whole generated sequence at every verification costs O(n) per step, O(n^2) over a
 long chain of thought, on the cores the model computes on. :class:`IncrementalText` decodes only a
-window at the end: the tokens since
-the last point where the text was complete, with the tokens before them as context (the
-prefix/read offsets of vLLM's ``detokenize_incrementally``, vllm/transformers_utils/detokenizer_utils.py),
-and looks for stop strings only where a new one can have appeared. The engine's final text is still
+window at the end: the tokens since the last point where the text was complete, with the tokens
+before them as context (the prefix/read offsets of vLLM's ``detokenize_incrementally``,
+vllm/transformers_utils/detokenizer_utils.py), and looks for stop strings only where a new one
+can have appeared. The engine's final text is still
 one decode of the whole sequence (:meth:`swiftspec.engine.Engine._text`), by the same stop rule.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ class IncrementalText:
     until its last byte arrives), cut before the first occurrence of any ``stop`` string. For a
     byte-level BPE tokenizer it equals ``tokenizer.decode(all_ids, skip_special_tokens=True)``
     cut at the first stop string, without the trailing replacement characters of an unfinished
-    character (tested against that in tests/test_engine.py).
+    character (tested against that in tests/test_detokenize.py).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=True)``).

@@ -100,7 +100,7 @@ class _Collected:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sent: int = 0  # tokens handed out in chunks so far
-    detok: IncrementalText | None = None  # the streamed text, decoded a window at a time
+    detok: IncrementalText | None = None  # the streamed text, decoded a window at a time (set by stream)
 
     def unsent(self, with_logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
         """The tokens (and their log-probabilities, if asked for) not yet in a chunk; marks them sent."""
@@ -568,7 +568,7 @@ class Engine:
         yield from self._collect(req, t_start)
 
     def _collect(self, req: Request, t_start: float) -> Iterator[StreamChunk]:
-        st = _Collected()
+        st = _Collected(detok=IncrementalText(self.tokenizer, req.params.stop))
         conns = list(self._leader_conns.values())
         try:
             yield from self._receive(req, st, conns)
@@ -614,8 +614,6 @@ class Engine:
                 st.events.append((t, len(new)))
                 st.tokens += new
                 st.logprobs += lps
-                if st.detok is None:
-                    st.detok = IncrementalText(self.tokenizer, req.params.stop)
                 text = st.detok.add(new)
                 text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]  # may still become a stop
                 if text.startswith(st.text) and len(text) > len(st.text):

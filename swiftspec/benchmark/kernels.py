@@ -240,12 +240,12 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
                                   ("gate_up", quant.AWQ4, hidden, 2 * inter)):
         w = _random_blocks(n, k, ggml_type, g)
         group = ops.quant_interleave_rows()
-        x8 = quant.interleaved_type(ggml_type, n, 0, group) if group else None
-        x8 = x8 if x8 != ggml_type else None
-        wk, tk = (quant.interleave(w, x8), x8) if x8 else (w, ggml_type)  # as the engine loads it
+        tk = quant.interleaved_type(ggml_type, n, 0, group) if group else ggml_type  # as the engine loads it
+        inter = tk != ggml_type
+        wk = quant.interleave(w, tk) if inter else w
         # the other kernels read the 8-row layout where the dispatched one reads 16 rows
-        w8, t8 = (quant.interleave(w, ggml_type | quant.X8), ggml_type | quant.X8) if quant.group_rows(tk) == 16 \
-            else (wk, tk)
+        t8 = ggml_type | quant.X8 if quant.group_rows(tk) == 16 else tk
+        w8 = quant.interleave(w, t8) if t8 != tk else wk
         int4 = _torch_int4(w) if ggml_type == quant.AWQ4 else None
         w32 = quant.dequantize(w, ggml_type)
         w16 = w32.to(torch.bfloat16)
@@ -256,7 +256,7 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
             for threads in threads_list:
                 torch.set_num_threads(threads)
                 fns = {"ours": lambda: ext.quant_linear(x, [wk], [tk], "auto")}
-                if x8:
+                if inter:
                     fns["ours, plain layout"] = lambda: ext.quant_linear(x, [w], [ggml_type], "auto")
                 for impl in others:
                     wi, ti = (wk, tk) if impl in ("avx512_vnni_512", "scalar") else (w8, t8)

@@ -45,19 +45,10 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     AWQ4: ("AWQ4", 32, 20),
-    12 | X8: ("Q4_K_X8", 256, 144),
-    14 | X8: ("Q6_K_X8", 256, 210),
-    2 | X8: ("Q4_0_X8", 32, 18),
-    6 | X8: ("Q5_0_X8", 32, 22),
-    8 | X8: ("Q8_0_X8", 32, 34),
-    AWQ4 | X8: ("AWQ4_X8", 32, 20),
-    12 | X16: ("Q4_K_X16", 256, 144),
-    14 | X16: ("Q6_K_X16", 256, 210),
-    2 | X16: ("Q4_0_X16", 32, 18),
-    6 | X16: ("Q5_0_X16", 32, 22),
-    8 | X16: ("Q8_0_X16", 32, 34),
-    AWQ4 | X16: ("AWQ4_X16", 32, 20),
 }
+# the same blocks interleaved by 8 or 16 rows: every type with a kernel but Q5_K
+GGML_TYPES.update({t | flag: (f"{name}_X{rows}", qk, bb) for flag, rows in ((X8, 8), (X16, 16))
+                   for t, (name, qk, bb) in list(GGML_TYPES.items()) if t != 13})
 TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
 
 
