@@ -19,6 +19,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["native", "bfloat16", "float32"], default=None,
                    help="native = GGUF blocks as in the file, on the quantized kernels (default); "
                         "bfloat16/float32 = dequantized")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
+                   help="where the models run (auto: CUDA when torch sees a GPU, else CPU)")
+    p.add_argument("--target-devices", type=_int_list, help="comma-separated GPU indices of the target group")
+    p.add_argument("--draft-devices", type=_int_list, help="comma-separated GPU indices of the draft group")
     p.add_argument("--target-cores", type=_int_list, help="comma-separated CPU cores of the target group")
     p.add_argument("--draft-cores", type=_int_list, help="comma-separated CPU cores of the draft group")
     p.add_argument("--target-tp", type=int, help="TP degree (processes) of the target group")
@@ -40,8 +44,8 @@ def _int_list(s: str) -> list[int]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["mode", "dtype", "weights", "target_cores", "draft_cores", "target_tp", "draft_tp", "bs", "w", "d", "max_model_len",
-            "kernels"]
+    keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
+            "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

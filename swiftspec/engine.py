@@ -25,6 +25,7 @@ from typing import Iterator
 from swiftspec.detokenize import IncrementalText
 from swiftspec.draft_state import TreeParams
 from swiftspec.metrics import RequestMetrics
+from swiftspec.placement import DEVICES, Group, PlacementError, plan_groups
 from swiftspec.sampling import SamplingParams, TokenLogprob
 from swiftspec.scheduler import Request
 from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
@@ -120,10 +121,19 @@ class EngineConfig:
         weights: "native" (default: GGUF block weights stay as in the file and run on the
             quantized kernels; float checkpoints stay float), "bfloat16" or "float32" (every
             weight dequantized).
+        device: "auto" (default: CUDA when torch sees a GPU, else CPU), "cuda" or "cpu"
+            (:mod:`swiftspec.placement`). On CUDA the weights run dequantized in ``dtype`` (no GPU
+            kernel for GGUF blocks yet), the draft unquantized, logits come back to the host each
+            step; colocated async on one GPU is not built (auto picks serial there).
+        target_devices / draft_devices: GPU indices of each group (async; one process per GPU, so
+            a group's TP degree is its GPU count); serial and autoregressive use
+            ``target_devices + draft_devices``. Default: the draft gets the last ⌈n/4⌉ GPUs.
         target_cores / draft_cores: CPU cores of each group (async); serial and autoregressive
             use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
+            On CUDA the host cores of the group's processes.
         target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
-            evenly among its ranks, each running that many threads.
+            evenly among its ranks, each running that many threads. On CUDA 1 or the group's
+            GPU count.
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
             8, 2, w, 1024, 256.
         d: expansions per iteration; None = automatic in async, 3 in serial.
@@ -143,6 +153,9 @@ class EngineConfig:
     mode: str = "auto"
     dtype: str = "auto"
     weights: str = "native"
+    device: str = "auto"
+    target_devices: list[int] | None = None
+    draft_devices: list[int] | None = None
     target_cores: list[int] | None = None
     draft_cores: list[int] | None = None
     target_tp: int = 1
@@ -167,6 +180,10 @@ class EngineConfig:
             raise ValueError(f"mode must be auto or one of {MODES}, got {self.mode!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.device == "cpu" and (self.target_devices is not None or self.draft_devices is not None):
+            raise ValueError("target_devices / draft_devices are GPU indices: they need device 'cuda' or 'auto'")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.d is not None and (not isinstance(self.d, int) or self.d < 1):
@@ -194,7 +211,7 @@ class EngineConfig:
 
 
 def choose_mode(config: EngineConfig, target_native: bool = False,
-                profiled: dict | None = None) -> tuple[str, str, dict]:
+                profiled: dict | None = None, gpus: int = 0) -> tuple[str, str, dict]:
     """The mode to run and why: ``config.mode`` unless it is "auto".
 
     "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
@@ -210,6 +227,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     bytes, so several nodes cost little more than one) ``serial`` on all cores beats ``async``
     (runs 6/7), since splitting the bus slows the target more than overlapping saves.
 
+    On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) the CPU profile and rule do not
+    apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout), on one GPU
+    ``serial`` (colocated async is not built yet); not yet measured on hardware.
+
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
     ``{}`` when the mode was configured or the configuration sets its own shape.
@@ -217,6 +238,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     if config.mode != "auto":
         return config.mode, "as configured", {}
     own = _user_tree(config)
+    if gpus:
+        if gpus >= 2:
+            return "async", f"auto: {gpus} GPUs, a draft group and a target group", {}
+        return "serial", "auto: one GPU (colocated async is not built yet)", {}
     if profiled is not None and profiled.get("mode") in MODES:
         measured = profiled.get("_measured") or {}
         tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}
@@ -267,22 +292,6 @@ def _available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def _split(cores: list[int], parts: int) -> list[list[int]]:
-    """Split cores evenly among ``parts`` processes; with fewer cores than processes, processes
-    share cores round-robin (correct, but slower: for tests and experiments)."""
-    if not cores:
-        raise EngineError("no CPU cores given")
-    if len(cores) < parts:
-        return [[cores[p % len(cores)]] for p in range(parts)]
-    k, r = divmod(len(cores), parts)
-    out, i = [], 0
-    for p in range(parts):
-        n = k + (p < r)
-        out.append(cores[i:i + n])
-        i += n
-    return out
-
-
 def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that begins one of the ``stop`` strings: a stream
     holds it back until the next tokens show whether the stop string completes (and the text is
@@ -323,7 +332,18 @@ class Engine:
             config = EngineConfig(**{**config.__dict__, **overrides})
         from swiftspec.loader import resolve_model
         from swiftspec.models.llama import native_types
+        from swiftspec.placement import resolve_device, split_gpus
 
+        self.device = resolve_device(config.device)
+        if self.device == "cpu" and (config.target_devices is not None or config.draft_devices is not None):
+            raise PlacementError("target_devices / draft_devices are GPU indices, but torch sees no CUDA device")
+        gpus = 0
+        if self.device == "cuda":
+            import torch
+
+            # the GPUs the engine will use (async with an unset split takes all of them)
+            ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
+            gpus = len(ids)
         self.target_path = resolve_model(target, "target", cache_dir)
         profiled = draft_path = None
         if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
@@ -332,7 +352,8 @@ class Engine:
 
             draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
             profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
-        mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)), profiled)
+        mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
+                                                   None if gpus else profiled, gpus)
         self.config = config = replace(config, mode=mode, **tree)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
@@ -371,30 +392,17 @@ class Engine:
     def _dtype(self) -> str:
         if self.config.dtype != "auto":
             return self.config.dtype
-        return "bfloat16" if cpu_has_bf16() else "float32"
+        return "bfloat16" if self.device == "cuda" or cpu_has_bf16() else "float32"
 
-    def _layout(self) -> list[tuple[str, dict[str, str], list[int], int]]:
-        """Groups as (kind, models, cores, tp)."""
-        c = self.config
-        cores = _available_cores()
-        t_cores, d_cores = c.target_cores, c.draft_cores
-        if c.mode == "async":
-            if t_cores is None and d_cores is None:
-                if len(cores) < 2:
-                    raise EngineError("async mode needs at least 2 cores (one per group)")
-                n_draft = max(1, len(cores) // 4)
-                t_cores, d_cores = cores[:-n_draft], cores[-n_draft:]
-            elif t_cores is None or d_cores is None:
-                raise ValueError("give both target_cores and draft_cores, or neither")
-            if set(t_cores) & set(d_cores):
-                raise ValueError("target_cores and draft_cores must be disjoint")
-            return [(ROLE_TARGET, {ROLE_TARGET: str(self.target_path)}, list(t_cores), c.target_tp),
-                    (ROLE_DRAFT, {ROLE_DRAFT: str(self.draft_path)}, list(d_cores), c.draft_tp)]
-        all_cores = list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores
-        models = {ROLE_TARGET: str(self.target_path)}
-        if c.mode == "serial":
-            models[ROLE_DRAFT] = str(self.draft_path)
-        return [(c.mode, models, all_cores, c.target_tp)]
+    def _layout(self) -> list[Group]:
+        """The device groups of the configured mode (:func:`swiftspec.placement.plan_groups`)."""
+        gpus = 0
+        if self.device == "cuda":
+            import torch
+
+            gpus = torch.cuda.device_count()
+        return plan_groups(self.config, self.device, str(self.target_path),
+                           None if self.draft_path is None else str(self.draft_path), _available_cores(), gpus)
 
     def _start_workers(self) -> None:
         from swiftspec.parallel import free_tcp_port
@@ -402,9 +410,9 @@ class Engine:
         ctx = mp.get_context("spawn")
         layout = self._layout()
         groups, rank = [], 0
-        for _, _, _, tp in layout:
-            groups.append(list(range(rank, rank + tp)))
-            rank += tp
+        for g in layout:
+            groups.append(list(range(rank, rank + g.tp)))
+            rank += g.tp
         world = rank
         port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
         tok_file = str(Path(self.target_path) / "tokenizer.json")
@@ -413,16 +421,21 @@ class Engine:
         handed_over = [c for c in peer_ends if c is not None]  # ends that live in the workers
         dtype = self._dtype()
         self.dtype = dtype
-        for gi, (kind, models, cores, tp) in enumerate(layout):
-            per_rank = _split(cores, tp)
-            follower_pipes = [ctx.Pipe() for _ in range(tp - 1)]
+        draft_quant = None if self.config.draft_quant == "none" else self.config.draft_quant
+        if self.device == "cuda" and draft_quant is not None:
+            print(f"swiftspec: draft_quant={draft_quant} has no CUDA kernel; the draft runs in {dtype}", file=sys.stderr)
+            draft_quant = None
+        for gi, group in enumerate(layout):
+            kind, models = group.kind, group.models
+            follower_pipes = [ctx.Pipe() for _ in range(group.tp - 1)]
             handed_over += [c for pair in follower_pipes for c in pair]
             for j, r in enumerate(groups[gi]):
                 spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
-                                  kind=kind, cores=per_rank[j], threads=len(per_rank[j]), dtype=dtype,
+                                  kind=kind, cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
+                                  device=group.devices[j],
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
                                   draft_vocab=min(self.vocab_limit, self.config.draft_vocab or self.vocab_limit),
-                                  draft_quant=None if self.config.draft_quant == "none" else self.config.draft_quant,
+                                  draft_quant=draft_quant,
                                   kernels=self.config.kernels, weights=self.config.weights,
                                   tokenizer_file=tok_file)
                 parent, child = ctx.Pipe()
@@ -650,10 +663,15 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def kernel_dispatch(self) -> dict[str, str]:
-        """Which implementation each CPU kernel family runs (:func:`swiftspec.ops.cpu_dispatch`),
-        all "torch" with kernels off; the workers run on this machine and decide the same way."""
+        """Which implementation each kernel family runs: on CPU :func:`swiftspec.ops.cpu_dispatch`
+        (all "torch" with kernels off; the workers run on this machine and decide the same way);
+        on CUDA the CUDA kernels ("cuda", falling back to PyTorch where they fail to build) or cuBLAS."""
         from swiftspec import ops
 
+        if self.device == "cuda":  # GGUF blocks dequantized; cuBLAS GEMMs; the CUDA kernels where built
+            k = "cuda" if self.config.kernels else "torch"
+            return {"quant_gemm": "dequantized", "skinny_gemm": "torch", "swiglu": k, "tree_attention": k,
+                    "rms_norm": "torch"}
         if not self.config.kernels:
             return {k: "torch" for k in ops.CPU_FAMILIES}
         return ops.cpu_dispatch()

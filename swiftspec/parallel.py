@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from swiftspec import ops
+from swiftspec.placement import backend_for
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,14 @@ def free_tcp_port() -> int:
 
 
 def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
-               timeout_s: float = 60.0, *, shm_comm: bool = False) -> list[TPContext | None]:
+               timeout_s: float = 60.0, *, shm_comm: bool = False,
+               device_type: str = "cpu") -> list[TPContext | None]:
     """Join the torch.distributed world and build one TP group per entry of ``groups``.
 
     Every process must call this with the same ``groups`` (torch.distributed requires all ranks
-    to take part in creating every subgroup). Returns, for each entry, this rank's TPContext, or
+    to take part in creating every subgroup). ``device_type`` is where this rank's tensors live
+    ("cpu" or "cuda", the same on every rank): it picks gloo or NCCL
+    (:func:`swiftspec.placement.backend_for`); a CUDA rank sets its device before calling. Returns, for each entry, this rank's TPContext, or
     None when this rank is not a member.
 
     With ``shm_comm``, every group of two or more ranks gets an LL communicator (``TPContext.shm``,
@@ -114,7 +118,7 @@ def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
         RuntimeError: the rendezvous did not complete within ``timeout_s`` seconds, or shared
             memory could not be set up.
     """
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_for(device_type)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     pgs = [dist.new_group(members, backend=backend) if len(members) > 1 else None for members in groups]

@@ -27,20 +27,25 @@ class ModelRunner:
         logits_vocab: compute logits for ids ``[0, logits_vocab)`` only (None: all).
         weights: "native" (GGUF blocks kept), "bfloat16" or "float32" (see :func:`load_model`);
             ``quant`` applies to the layers that run float weights.
+        device: where the weights, the KV cache and the step inputs live (the caller sets the
+            current CUDA device first). The scheduler's tensors are built on the host; each
+            forward moves them here and its logits back.
     """
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
-                 weights: str = "native"):
+                 weights: str = "native", device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         # tree nodes sit up to one tree depth past the cache slots they are stored in
-        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights)
+        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights,
+                                device=self.device)
         if quant == "int8":
             self.model.quantize_int8_()
         elif quant not in (None, "none"):
             raise ValueError(f"unknown quantization {quant!r}; use 'int8' or None")
         self.logits_vocab = logits_vocab
         self.cfg = self.model.cfg
-        self.kv = self.model.make_kv_cache(capacity)
+        self.kv = self.model.make_kv_cache(capacity, self.device)
         self.capacity = capacity
         self.busy_s = 0.0
         self.forward_tokens = 0
@@ -49,12 +54,19 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         """Run ``n`` tokens (see :meth:`LlamaForCausalLM.forward`); return float32 logits
-        ``[len(logits_rows), vocab]`` for the selected rows, or None when none are asked for."""
+        ``[len(logits_rows), vocab]`` on the host for the selected rows, or None when none are
+        asked for. Inputs may be host tensors (moved to the runner's device here)."""
         t0 = time.perf_counter()
+        dev = self.device
+        if dev.type != "cpu":
+            input_ids, positions, slots, mask = (t.to(dev) for t in (input_ids, positions, slots, mask))
         h = self.model(input_ids, positions, slots, mask, self.kv)
         out = None
         if logits_rows is not None and logits_rows.numel():
-            out = self.model.compute_logits(h[logits_rows], self.logits_vocab)
+            out = self.model.compute_logits(h[logits_rows.to(dev)], self.logits_vocab)
+        if dev.type == "cuda":
+            out = None if out is None else out.cpu()
+            torch.cuda.synchronize(dev)  # busy time is device time
         self.busy_s += time.perf_counter() - t0
         self.forward_tokens += int(input_ids.numel())
         self.forwards += 1

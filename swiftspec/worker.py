@@ -32,6 +32,8 @@ class WorkerSpec:
         kind: this group's job: "target" (async target group), "draft" (async draft group),
             "serial" (both models) or "autoregressive" (target only).
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
+        device: where this rank's model shards, KV caches and step inputs live: "cpu" or
+            "cuda:K" (:mod:`swiftspec.placement`); it also picks the collective backend.
         dtype: "float32" or "bfloat16".
         max_model_len: context length in tokens; tree: draft tree parameters.
         draft_vocab: the draft proposes only ids ``[0, draft_vocab)`` (ids the target knows too,
@@ -50,6 +52,7 @@ class WorkerSpec:
     kind: str
     cores: list[int] | None = None
     threads: int = 1
+    device: str = "cpu"
     dtype: str = "float32"
     weights: str = "native"
     max_model_len: int = 4096
@@ -79,14 +82,19 @@ def _setup(spec: WorkerSpec):
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
     ops.set_kernels(spec.kernels)
+    device = torch.device(spec.device)
+    if device.type == "cuda":  # before the process group: NCCL binds to the current device
+        torch.cuda.set_device(device)
     tp = LOCAL
     if spec.port:
-        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.kernels)[spec.group]
+        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.kernels,
+                        device_type=device.type)[spec.group]
     dtype = getattr(torch, spec.dtype)
     runners = {}
     for role, path in spec.models.items():
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
-        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, **extra)
+        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
+                                    **extra)
     return runners
 
 

@@ -27,7 +27,7 @@ def _alive(pid):
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    with Engine(tiny_dir, mode="autoregressive", dtype="float32") as eng:
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32", device="cpu") as eng:
         out = eng.generate(PROMPT, GREEDY)
     assert out.metrics.compression_ratio == 1.0 and len(out.token_ids) == 24
     return out

@@ -19,7 +19,7 @@ class KVCache:
     Args:
         num_layers, num_kv_heads, head_dim: model shape (``num_kv_heads`` local to this TP rank).
         capacity: number of token slots.
-        dtype: storage dtype (the model's compute dtype).
+        dtype: storage dtype (the model's compute dtype); device: where the buffer lives.
     Memory: ``2 * num_layers * num_kv_heads * capacity * head_dim * dtype.itemsize`` bytes.
     """
 
@@ -51,4 +51,5 @@ class KVCache:
         hi = int(torch.maximum(src.max(), dst.max()))
         if hi >= self.capacity or int(torch.minimum(src.min(), dst.min())) < 0:
             raise ValueError(f"move: slot out of range [0, {self.capacity})")
-        self.buf[:, :, :, dst] = self.buf[:, :, :, src]
+        dev = self.buf.device
+        self.buf[:, :, :, dst.to(dev)] = self.buf[:, :, :, src.to(dev)]

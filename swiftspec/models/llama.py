@@ -183,9 +183,10 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank stores (padded / replicated ones included): the KV cache's dim 2."""
         return self.layers[0].self_attn.num_kv_heads
 
-    def make_kv_cache(self, capacity: int) -> KVCache:
-        """A zeroed KV cache for this rank with ``capacity`` token slots."""
-        return KVCache(self.cfg.num_layers, self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype)
+    def make_kv_cache(self, capacity: int, device: torch.device | str = "cpu") -> KVCache:
+        """A zeroed KV cache for this rank with ``capacity`` token slots on ``device``."""
+        return KVCache(self.cfg.num_layers, self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype,
+                       device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -288,12 +289,15 @@ def native_types(model_dir: str | Path) -> dict[str, int]:
 
 
 def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None, weights: str = "native") -> LlamaForCausalLM:
+               max_positions: int | None = None, weights: str = "native",
+               device: torch.device | str = "cpu") -> LlamaForCausalLM:
     """Build the model described by ``model_dir/config.json`` and load this rank's weight shards.
 
     ``weights``: "native" keeps GGUF blocks with a quantized kernel as they are (TP = 1; layers
     without one, and every layer at TP > 1, are float in ``dtype``, with a one-line notice naming
     the block types); "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``.
+    The model is built and loaded on the host, then moved to ``device``; on CUDA GGUF blocks run
+    dequantized in ``dtype`` (the quantized kernels are CPU kernels), with a one-line notice.
 
     Raises:
         ModelConfigError: unsupported or broken config.json.
@@ -305,6 +309,11 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
         raise ValueError(f"weights must be native, bfloat16 or float32, got {weights!r}")
     cfg = ModelConfig.from_dir(model_dir)
     native = native_types(model_dir) if weights == "native" else {}
+    device = torch.device(device)
+    if native and device.type != "cpu":
+        print(f"swiftspec: GGUF blocks are dequantized to {dtype} on {device} (no GPU kernel for them yet)",
+              file=sys.stderr)
+        native = {}
     if native and tp.size != 1:
         print(f"swiftspec: GGUF blocks are dequantized to {dtype} at TP = {tp.size} (kernels need TP = 1)",
               file=sys.stderr)
@@ -325,7 +334,7 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
                     yield n, st.get_tensor(n)
 
     model.load_weights(itertools.chain(iter_safetensors(model_dir, skip=kept.__contains__), blocks()))
-    return model.eval()
+    return model.to(device).eval()
 
 
 _FLOAT_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: float tensors in any case

@@ -316,7 +316,7 @@ def _torch_tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, c
         return out.squeeze(0).transpose(0, 1).reshape(n, -1)
     hk = k_cache.shape[0]
     qf = q.float()
-    out = torch.empty(n, hq * d, dtype=torch.float32)
+    out = torch.empty(n, hq * d, dtype=torch.float32, device=q.device)
     for i in range(n):
         # only the keys this row sees, in slot order: a tree node and the same token decoded
         # alone see the same keys with the same values, so every shape and sum is the same

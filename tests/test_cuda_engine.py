@@ -1,0 +1,109 @@
+"""The engine on CUDA (device="cuda"): models, KV caches and step inputs on the GPU. Tiny random
+fp32 models whose draft is the target itself (so the compression ratio is well above 1.5):
+serial and async equal autoregressive greedy; sampled output follows the target distribution.
+Skipped without a CUDA device (the CPU suite covers the same loops on "cpu")."""
+from collections import Counter
+
+import pytest
+import torch
+
+from swiftspec import Engine, SamplingParams, scheduler
+from swiftspec.draft_state import DraftState, TreeParams
+from swiftspec.runner import ModelRunner, RunnerHandle
+from swiftspec.sampling import Sampler
+from swiftspec.scheduler import Request
+from swiftspec.target_state import TargetState
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPT = [3, 40, 41, 42, 50, 60, 70, 33, 34, 35]
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+def _states(model_dir, **tree):
+    target = TargetState(RunnerHandle("target", ModelRunner(str(model_dir), capacity=512, device="cuda"), []))
+    draft = DraftState(RunnerHandle("draft", ModelRunner(str(model_dir), capacity=1024, device="cuda"), []),
+                       TreeParams(**tree))
+    return target, draft
+
+
+def _run(fn, *args):
+    out = []
+    st = fn(*args, lambda toks, t, lps=(): out.extend(toks))
+    return out, st
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_runner_on_cuda_serial_equals_autoregressive(tiny_dir, kernels):
+    from swiftspec import ops
+
+    ops.set_kernels(kernels)
+    try:
+        target, draft = _states(tiny_dir)
+        assert target.runner.runner.kv.buf.is_cuda
+        req = Request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), 40, (2,), 3, False)
+        ref, _ = _run(scheduler.run_autoregressive, target, req)
+        out, st = _run(scheduler.run_serial, draft, target, req)
+        assert out == ref
+        assert len(out) / (len(st.accepted) + 1) > 1.5, "an identical draft must be accepted"
+    finally:
+        ops.set_kernels(True)
+
+
+def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir):
+    """First three sampled tokens against the exact target distribution (chi-square), as the
+    CPU test in test_scheduler.py."""
+    from scipy.stats import chisquare
+
+    from swiftspec.models import load_model
+
+    params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    model = load_model(tiny_dir, device="cuda")
+
+    def dist(ids):
+        kv = model.make_kv_cache(64, "cuda")
+        n = len(ids)
+        pos = torch.arange(n, device="cuda")
+        mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+        h = model(torch.tensor(ids, device="cuda"), pos, pos, mask, kv)
+        return Sampler(SamplingParams(**params)).probs(model.compute_logits(h[-1:])[0].cpu())
+
+    exact = {}
+    p0 = dist(PROMPT)
+    for a in p0.nonzero().flatten().tolist():
+        p1 = dist(PROMPT + [a])
+        for b in p1.nonzero().flatten().tolist():
+            p2 = dist(PROMPT + [a, b])
+            for c in p2.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
+    target, draft = _states(tiny_dir, w=2, topk=2, bs=4)
+    n, counts = 1000, Counter()
+    for seed in range(n):
+        out, _ = _run(scheduler.run_serial, draft, target,
+                      Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1, False))
+        counts[tuple(out)] += 1
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    total = sum(exact.values())
+    assert chisquare([counts[k] for k in keys], [exact[k] / total * n for k in keys]).pvalue > 1e-3
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_dir):
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32", device="cuda") as eng:
+        return eng.generate("hello world, this is a test", GREEDY)
+
+
+def test_engine_serial_on_one_gpu(tiny_dir, cuda_reference):
+    with Engine(tiny_dir, tiny_dir, dtype="float32", device="cuda", target_devices=[0]) as eng:
+        assert eng.config.mode == "serial"  # auto on one GPU
+        out = eng.generate("hello world, this is a test", GREEDY)
+    assert out.token_ids == cuda_reference.token_ids and out.metrics.compression_ratio > 1.5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_engine_async_and_tp_on_two_gpus(tiny_dir, cuda_reference):
+    with Engine(tiny_dir, tiny_dir, mode="async", dtype="float32", device="cuda") as eng:
+        assert eng.generate("hello world, this is a test", GREEDY).token_ids == cuda_reference.token_ids
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32", device="cuda", target_devices=[0, 1]) as eng:
+        assert eng.generate("hello world, this is a test", GREEDY).token_ids == cuda_reference.token_ids
