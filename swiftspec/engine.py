@@ -30,7 +30,8 @@ from swiftspec.sampling import SamplingParams, TokenLogprob
 from swiftspec.scheduler import Request
 from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
 
-MODES = ("async", "serial", "autoregressive")
+MODES = ("async", "serial", "autoregressive", "pipedec", "pipeline-autoregressive")
+PIPELINE_MODES = ("pipedec", "pipeline-autoregressive")
 WEIGHT_FORMATS = ("native", "bfloat16", "float32")
 
 
@@ -115,7 +116,13 @@ class EngineConfig:
 
     Attributes:
         mode: "auto" (default: the fastest mode for this machine, :func:`choose_mode`), "async"
-            (SwiftSpec), "serial" (SwiftSpec-base) or "autoregressive".
+            (SwiftSpec), "serial" (SwiftSpec-base), "autoregressive", or a pipeline mode (with
+            ``pipeline_stages`` >= 2; :mod:`swiftspec.pipedec`): "pipedec" (PipeDec: the draft
+            in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per node)
+            or "pipeline-autoregressive" (the target alone through the stages).
+        pipeline_stages: split the target's layers into this many pipeline stages (balanced by
+            weight bytes; one process each, ``target_cores + draft_cores`` split among them);
+            1 (default) = no pipeline. "auto" mode with 2 or more runs "pipedec". CPU only.
         dtype: activation dtype: "float32", "bfloat16" or "auto" (bf16 where the CPU has native
             bf16 dot products); also the dtype of weights that run dequantized.
         weights: "native" (default: GGUF block weights stay as in the file and run on the
@@ -170,6 +177,7 @@ class EngineConfig:
     max_cached: int = 256
     d: int | None = None
     max_model_len: int = 4096
+    pipeline_stages: int = 1
     draft_quant: str = "int8"
     draft_vocab: int | None = 32768
     kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
@@ -190,6 +198,13 @@ class EngineConfig:
             raise ValueError(f"d must be a positive integer or None, got {self.d!r}")
         if self.target_tp < 1 or self.draft_tp < 1:
             raise ValueError("TP degrees must be >= 1")
+        if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be a positive integer, got {self.pipeline_stages!r}")
+        if (self.mode in PIPELINE_MODES) != (self.pipeline_stages > 1) and self.mode != "auto":
+            raise ValueError(f"mode {self.mode!r} with pipeline_stages={self.pipeline_stages}: the pipeline modes "
+                             f"{PIPELINE_MODES} need pipeline_stages >= 2, the others 1")
+        if self.pipeline_stages > 1 and (self.target_tp > 1 or self.draft_tp > 1):
+            raise ValueError("pipeline stages run at TP = 1 (one process per stage)")
         if self.draft_quant not in ("int8", "none"):
             raise ValueError(f"draft_quant must be int8 or none, got {self.draft_quant!r}")
         if self.draft_vocab is not None and self.draft_vocab < 2:
@@ -237,6 +252,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     """
     if config.mode != "auto":
         return config.mode, "as configured", {}
+    if config.pipeline_stages > 1:
+        return "pipedec", f"auto: {config.pipeline_stages} pipeline stages", {}
     own = _user_tree(config)
     if gpus:
         if gpus >= 2:
@@ -359,7 +376,7 @@ class Engine:
         self._conns: list[Connection] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
-        if config.mode == "autoregressive":
+        if config.mode in ("autoregressive", "pipeline-autoregressive"):
             self.draft_path = None
         else:
             self.draft_path = draft_path or resolve_model(draft, "draft", cache_dir)
@@ -414,7 +431,9 @@ class Engine:
             groups.append(list(range(rank, rank + g.tp)))
             rank += g.tp
         world = rank
-        port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
+        pipelined = self.config.pipeline_stages > 1
+        port = free_tcp_port() if pipelined or any(len(g) > 1 for g in groups) else 0
+        stage_layers = self._stage_layers() if pipelined else None
         tok_file = str(Path(self.target_path) / "tokenizer.json")
         self._leader_conns: dict[str, Connection] = {}
         peer_ends = ctx.Pipe() if self.config.mode == "async" else (None, None)
@@ -437,17 +456,19 @@ class Engine:
                                   draft_vocab=min(self.vocab_limit, self.config.draft_vocab or self.vocab_limit),
                                   draft_quant=draft_quant,
                                   kernels=self.config.kernels, weights=self.config.weights,
-                                  tokenizer_file=tok_file)
+                                  tokenizer_file=tok_file, stages=len(layout) if pipelined else 1,
+                                  stage=stage_layers[gi] if pipelined else None)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]
                     leader = None
                     peer = peer_ends[gi] if kind in (ROLE_TARGET, ROLE_DRAFT) else None
-                    self._leader_conns[kind] = parent
+                    if kind != "stage":  # later pipeline stages follow stage 0, not the engine
+                        self._leader_conns[kind] = parent
                 else:
                     followers, leader, peer = [], follower_pipes[j - 1][1], None
                 p = ctx.Process(target=worker_main, args=(spec, child, followers, leader, peer),
-                                name=f"swiftspec-{kind}-{j}", daemon=True)
+                                name=f"swiftspec-{kind}-{gi if kind == 'stage' else j}", daemon=True)
                 with _main_module_hidden():
                     p.start()
                 child.close()
@@ -456,6 +477,22 @@ class Engine:
         for c in handed_over:  # the workers have their copies; ours would only leak descriptors
             c.close()
         self._wait_ready()
+
+    def _stage_layers(self) -> list[tuple[int, int]]:
+        """The target's layers of each pipeline stage, balanced by the weight bytes a forward reads."""
+        from swiftspec.pipeline import checkpoint_layer_bytes, partition_layers
+
+        layers, head = checkpoint_layer_bytes(self.target_path, self.target_cfg.num_layers)
+        draft = 0
+        if self.draft_path is not None:  # pipedec: stage 0 also runs the draft
+            from swiftspec.models.config import ModelConfig
+
+            d_cfg = ModelConfig.from_dir(self.draft_path)
+            d_layers, d_head = checkpoint_layer_bytes(self.draft_path, d_cfg.num_layers)
+            # the draft's LM head reads its first draft_vocab rows, as int8 from 16-bit floats
+            rows = min(d_cfg.vocab_size, self.config.draft_vocab or d_cfg.vocab_size) / d_cfg.vocab_size
+            draft = sum(d_layers) + int(d_head * rows / (2 if self.config.draft_quant == "int8" else 1))
+        return [(r.start, r.stop) for r in partition_layers(layers, self.config.pipeline_stages, head, draft)]
 
     def _wait_ready(self) -> None:
         pending = set(range(len(self._procs)))
@@ -499,7 +536,9 @@ class Engine:
         """A worker reported an error; if it only lost a peer, name the peer that died."""
         time.sleep(0.1)
         dead = [p for p in self._procs if not p.is_alive()]
-        if dead and any(e in error for e in ("ConnectionResetError", "EOFError", "BrokenPipeError")):
+        lost = ("ConnectionResetError", "EOFError", "BrokenPipeError", "Connection reset by peer",
+                "Connection closed by peer")  # the last two: gloo's words for a peer rank that died
+        if dead and any(e in error for e in lost):
             self._fail("; ".join(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}"
                                  for p in dead) + f"\n(a peer noticed: {error.strip().splitlines()[-1]})")
         self._fail(f"worker failed:\n{error}")

@@ -145,6 +145,8 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
     models, autoregressive one group holding the target. ``device`` is "cpu" or "cuda" (resolved),
     ``cores`` the cores this process may use, ``n_gpus`` the visible GPUs.
 
+    Pipeline modes (``pipeline_stages`` S >= 2): S groups of one process, stage 0 (the leader,
+    holding the draft too) then "stage" groups, the cores split among them; CPU only.
     CPU: the async groups get ``target_cores`` / ``draft_cores`` (default: the draft a quarter of
     the cores, at least one), the single group ``target_cores + draft_cores`` (default all), each
     split among the group's ``*_tp`` ranks. CUDA: the GPUs of :func:`split_gpus`, one rank each;
@@ -157,6 +159,13 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
 
     c = config
     t_cores, d_cores = c.target_cores, c.draft_cores
+    if c.pipeline_stages > 1:  # stage 0 leads (with the draft), each later stage follows it
+        if device != "cpu":
+            raise PlacementError("pipeline stages run on CPU only (not built for CUDA yet)")
+        chosen = list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores
+        models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if draft is not None else {})}
+        return [Group(c.mode if s == 0 else "stage", models if s == 0 else {ROLE_TARGET: target}, [cc], ["cpu"])
+                for s, cc in enumerate(split_cores(chosen, c.pipeline_stages))]
     if c.mode == "async":
         if t_cores is None and d_cores is None:
             if len(cores) < 2 and device == "cpu":

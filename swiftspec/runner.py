@@ -27,6 +27,7 @@ class ModelRunner:
         logits_vocab: compute logits for ids ``[0, logits_vocab)`` only (None: all).
         weights: "native" (GGUF blocks kept), "bfloat16" or "float32" (see :func:`load_model`);
             ``quant`` applies to the layers that run float weights.
+        stage: only these decoder layers (a pipeline stage; :meth:`forward_stage`), default all.
         device: where the weights, the KV cache and the step inputs live (the caller sets the
             current CUDA device first). The scheduler's tensors are built on the host; each
             forward moves them here and its logits back.
@@ -34,11 +35,11 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
-                 weights: str = "native", device: torch.device | str = "cpu"):
+                 weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None):
         self.device = torch.device(device)
         # tree nodes sit up to one tree depth past the cache slots they are stored in
         self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights,
-                                device=self.device)
+                                device=self.device, stage=stage)
         if quant == "int8":
             self.model.quantize_int8_()
         elif quant not in (None, "none"):
@@ -69,6 +70,16 @@ class ModelRunner:
             torch.cuda.synchronize(dev)  # busy time is device time
         self.busy_s += time.perf_counter() - t0
         self.forward_tokens += int(input_ids.numel())
+        self.forwards += 1
+        return out
+
+    def forward_stage(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This pipeline stage's layers (see :meth:`LlamaForCausalLM.forward_stage`), host tensors."""
+        t0 = time.perf_counter()
+        out = self.model.forward_stage(x, residual, positions, slots, mask, self.kv)
+        self.busy_s += time.perf_counter() - t0
+        self.forward_tokens += int(positions.numel())
         self.forwards += 1
         return out
 

@@ -9,6 +9,7 @@ the process exits, so the engine can raise it instead of hanging.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -30,7 +31,11 @@ class WorkerSpec:
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
         kind: this group's job: "target" (async target group), "draft" (async draft group),
-            "serial" (both models) or "autoregressive" (target only).
+            "serial" (both models), "autoregressive" (target only), "pipedec" /
+            "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft for pipedec)
+            or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
+        stage: the target's decoder layers ``(start, stop)`` this rank holds (pipeline modes),
+            None for all; stages: the pipeline's length.
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.placement`); it also picks the collective backend.
@@ -61,13 +66,20 @@ class WorkerSpec:
     draft_quant: str | None = None
     kernels: bool = True
     tokenizer_file: str | None = None
+    stage: tuple[int, int] | None = None
+    stages: int = 1
 
     @property
     def is_leader(self) -> bool:
         return self.rank == self.groups[self.group][0]
 
 
+PIPELINE_LEADERS = ("pipedec", "pipeline-autoregressive")
+
+
 def _capacity(spec: WorkerSpec, role: str) -> int:
+    if spec.stages > 1:  # tree slots between compactions (swiftspec.pipedec)
+        return spec.max_model_len + 4 * spec.tree.w * (spec.stages + 1)
     if role == ROLE_TARGET:
         return spec.max_model_len + spec.tree.bs
     return spec.max_model_len + spec.tree.max_cached + spec.tree.w
@@ -93,6 +105,8 @@ def _setup(spec: WorkerSpec):
     runners = {}
     for role, path in spec.models.items():
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
+        if role == ROLE_TARGET and spec.stage is not None:
+            extra["stage"] = range(*spec.stage)
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
     return runners
@@ -104,11 +118,20 @@ def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection
     try:
         runners = _setup(spec)
         engine.send(("ready", os.getpid()))
-        if spec.is_leader:
+        if spec.kind == "stage":
+            from swiftspec.pipeline import Stage, serve_stage
+            serve_stage(Stage(runners[ROLE_TARGET], spec.rank, spec.stages))
+        elif spec.kind in PIPELINE_LEADERS:
+            _lead_pipeline(spec, runners, engine)
+        elif spec.is_leader:
             _lead(spec, runners, engine, followers, peer)
         else:
             from swiftspec.runner import serve_follower
             serve_follower(runners, leader)
+        if spec.port:  # leave the world cleanly (gloo's threads otherwise abort at exit)
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
     except BaseException:
@@ -164,6 +187,41 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 c.send(None)
             except (BrokenPipeError, OSError):
                 pass
+
+
+def _lead_pipeline(spec: WorkerSpec, runners, engine: Connection) -> None:
+    """Stage 0 of a pipeline mode: the decoding loop of :mod:`swiftspec.pipedec` per request."""
+    from swiftspec import scheduler
+    from swiftspec.pipedec import PipeDec
+    from swiftspec.pipeline import PipelineLeader, Stage
+
+    target = runners[ROLE_TARGET]
+    pipe = PipelineLeader(Stage(target, 0, spec.stages))
+    loop = PipeDec(pipe, runners.get(ROLE_DRAFT), spec.tree.w, spec.tree.topk, target.capacity)
+    decode = _decoder(spec.tokenizer_file)
+    try:
+        while True:
+            msg = engine.recv()
+            if msg[0] == "shutdown":
+                return
+            if msg[0] == "cancel":
+                continue
+            req = msg[1]
+            for r in runners.values():
+                r.reset_stats()
+            t0 = time.perf_counter()
+            st = loop.run(req, lambda toks, t, lps: engine.send(("tokens", toks, t, lps)),
+                          scheduler.StopChecker(req, decode, cancelled=engine.poll))
+            wall = time.perf_counter() - t0
+            stats = {role: r.stats() for role, r in runners.items()}
+            stats[ROLE_TARGET].update(timesteps=st.timesteps, issued=st.issued, pruned=st.pruned, drained=st.drained,
+                                      flushes=st.flushes, stages=st.stages, wall_s=wall)
+            engine.send(("done", spec.kind, st, stats))
+    finally:
+        try:
+            pipe.shutdown()
+        except Exception:  # a stage is gone: the engine reports it
+            pass
 
 
 def _decoder(tokenizer_file: str | None):

@@ -36,11 +36,15 @@ PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 
                 "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
 SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
            "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
-           "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec")
+           "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec",
+           "pipeline-autoregressive", "pipedec")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
                 "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
                 "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
-                "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive"}
+                "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive",
+                "pipeline-autoregressive": "pipeline-autoregressive", "pipedec": "pipedec"}
+# the pipeline modes run 2 stages, each on its own share of the cores (swiftspec.pipeline)
+PIPELINE_STAGES = 2
 # "-dequantized": every weight dequantized in the activation dtype (the engine before native weights)
 
 
@@ -87,10 +91,13 @@ class EngineSystem:
             if mode == "async":
                 n_draft = max(1, len(cores) // 4)
                 kw.update(target_cores=cores[:-n_draft], draft_cores=cores[-n_draft:], d=d)
+            elif mode.startswith("pipe"):
+                kw.update(target_cores=cores, pipeline_stages=PIPELINE_STAGES)
             else:
                 kw.update(target_cores=cores)
             cfg = EngineConfig(**kw)
-        self.engine = Engine(target, draft if cfg.mode != "autoregressive" else None, config=cfg)
+        self.engine = Engine(target, draft if cfg.mode not in ("autoregressive", "pipeline-autoregressive") else None,
+                             config=cfg)
         self.system = system
 
     def generate(self, prompt_ids, max_tokens, eos_ids=()):
@@ -127,7 +134,7 @@ def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[
     t, d = _param_count(target_dir) * per, _param_count(draft_dir)
     out = {}
     for s in systems:
-        if s.startswith("swiftspec"):
+        if s.startswith("swiftspec") or s == "pipedec":
             out[s] = t + d
         elif s == "hf-assisted":
             out[s] = t + d * per
@@ -258,13 +265,16 @@ def markdown(records: list[dict]) -> str:
               "(Qwen2-72B / Qwen2-1.5B on 8 GPUs) for reference:", "",
               f"| system | {head} |", "|" + "---|" * (len(datasets) + 1)]
     for s in systems:
-        if s in ("autoregressive", "hf", "llama-cpp"):
+        if s in ("autoregressive", "hf", "llama-cpp", "pipeline-autoregressive", "pipedec"):  # 1 by definition
             continue
         lines.append(f"| {s} | " + " | ".join(
             f"{get[(s, d)]['compression_ratio']:.2f}" if (s, d) in get else "-" for d in datasets) + " |")
         if s in PAPER_TABLE6:
             lines.append(f"| paper: {s} | " + " | ".join(
                 f"{PAPER_TABLE6[s].get(ABBREV.get(d, ''), float('nan')):.2f}" for d in datasets) + " |")
+    if pipeline_table(records):
+        lines += ["", "Pipeline modes (busy = a stage's forward time / the request's wall time; stage 0 "
+                  "also runs the draft):", "", pipeline_table(records)]
     return "\n".join(lines)
 
 
@@ -356,11 +366,44 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
                                 "matches_target": None if ref is None else toks == ref,
                                 "draft_stalls": m.draft.get("stall_expansions"),
-                                "target_wait_s": m.target.get("wait_s")})
+                                "target_wait_s": m.target.get("wait_s"), **_pipeline_record(m)})
     finally:
         for sysm in systems.values():
             sysm.close()
     return records
+
+
+def _pipeline_record(m) -> dict:
+    """A pipeline mode's counters for one request: timesteps, nodes issued / pruned mid-pipeline,
+    each stage's busy fraction of the request's wall time (stage 0's draft separately) and the
+    KV entries computed twice (stage 0's forward tokens beyond the prompt and the issued nodes)."""
+    t = m.target
+    if "stages" not in t:
+        return {}
+    wall = t["wall_s"] or float("nan")
+    return {"pipeline": {"timesteps": t["timesteps"], "issued": t["issued"], "pruned": t["pruned"],
+                         "stage_busy": [s["busy_s"] / wall for s in t["stages"]],
+                         "draft_busy": m.draft.get("busy_s", 0.0) / wall,
+                         "recomputed_kv": t["forward_tokens"] - m.prompt_tokens - t["issued"]}}
+
+
+def pipeline_table(records: list[dict]) -> str:
+    """The pipeline modes' utilization: tokens per timestep, nodes pruned mid-pipeline, busy
+    fraction of each stage, KV entries recomputed ("" when no pipeline mode ran)."""
+    systems = list(dict.fromkeys(r["system"] for r in records if "pipeline" in r))
+    if not systems:
+        return ""
+    lines = ["| system | tokens per timestep | nodes issued | pruned mid-pipeline | stage busy | draft busy | "
+             "KV recomputed |", "|---|---|---|---|---|---|---|"]
+    for s in systems:
+        ps = [r["pipeline"] for r in records if r["system"] == s]
+        steps = sum(p["timesteps"] for p in ps)
+        toks = sum(r["num_tokens"] for r in records if r["system"] == s)
+        busy = [statistics.mean(p["stage_busy"][k] for p in ps) for k in range(len(ps[0]["stage_busy"]))]
+        lines.append(f"| {s} | {toks / steps:.2f} | {sum(p['issued'] for p in ps)} | {sum(p['pruned'] for p in ps)} | "
+                     + " / ".join(f"{b:.0%}" for b in busy) + f" | {statistics.mean(p['draft_busy'] for p in ps):.0%} | "
+                     f"{sum(p['recomputed_kv'] for p in ps)} |")
+    return "\n".join(lines)
 
 
 def machine_record() -> dict:

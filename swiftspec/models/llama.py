@@ -148,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
         max_positions: size of the RoPE tables; positions must stay below it.
         native: ggml type of each checkpoint tensor (HF names) kept in GGUF blocks; a layer
             whose tensors all have a quantized kernel keeps them (TP = 1), others are float.
+        stage: the decoder layers this model holds, ``range(start, stop)`` (a pipeline stage);
+            default all. The first stage holds the embedding, the last the final norm and the
+            LM head (and the embedding when they are tied); other layers are not built.
 
     Any TP degree works: heads and the intermediate size are zero-padded where the degree does
     not divide them (see :func:`swiftspec.layers.linear.gqa_head_layout`), with the same output.
@@ -157,19 +160,29 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, native: dict[str, int] | None = None):
+                 max_positions: int | None = None, native: dict[str, int] | None = None,
+                 stage: range | None = None):
         super().__init__()
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
+        self.stage = stage = range(cfg.num_layers) if stage is None else stage
+        if not (0 <= stage.start < stage.stop <= cfg.num_layers and stage.step == 1):
+            raise ValueError(f"stage {stage} is not a non-empty range of the {cfg.num_layers} layers")
+        self.first, self.last = stage.start == 0, stage.stop == cfg.num_layers
         if tp.size != 1:
             native = None
         embed = _gguf_types(native, ["model.embed_tokens.weight"])
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype,
-                                                   embed[0] if embed else None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, f"model.layers.{i}", native)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.embed_tokens = None
+        if self.first or (self.last and cfg.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype,
+                                                       embed[0] if embed else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, f"model.layers.{i}", native) if i in stage
+                                    else nn.Identity() for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                     cfg.rope_theta, cfg.rope_scaling)
+        self.norm = self.lm_head = None
+        if not self.last:
+            return
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         head = embed if cfg.tie_word_embeddings else _gguf_types(native, ["lm_head.weight"])
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, head[0] if head else None)
         if cfg.tie_word_embeddings:
@@ -181,27 +194,36 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_kv_heads_local(self) -> int:
         """KV heads this rank stores (padded / replicated ones included): the KV cache's dim 2."""
-        return self.layers[0].self_attn.num_kv_heads
+        return self.layers[self.stage.start].self_attn.num_kv_heads
 
     def make_kv_cache(self, capacity: int, device: torch.device | str = "cpu") -> KVCache:
-        """A zeroed KV cache for this rank with ``capacity`` token slots on ``device``."""
-        return KVCache(self.cfg.num_layers, self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype,
-                       device)
+        """A zeroed KV cache for this rank's layers (its stage's) with ``capacity`` token slots on ``device``."""
+        return KVCache(len(self.stage), self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype, device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """Run ``n`` tokens; their keys/values land in ``slots`` of ``kv``.
+        """Run ``n`` tokens through the whole model; their keys/values land in ``slots`` of ``kv``.
 
         Shapes: input_ids, positions, slots ``[n]`` int64; mask ``[n, S]`` bool (query i may see
         slot j). Returns hidden states ``[n, hidden]`` in the model dtype.
         """
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope, slots, mask, kv.layer(i))
-        x, _ = self.norm(x, residual)
-        return x
+        return self.forward_stage(input_ids, None, positions, slots, mask, kv)[0]
+
+    @torch.inference_mode()
+    def forward_stage(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      slots: torch.Tensor, mask: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run this model's stage: ``x`` is token ids ``[n]`` int64 on the first stage, else the
+        previous stage's output ``[n, hidden]`` with its residual stream ``[n, hidden]`` (model
+        dtype; passing both keeps the split bit-identical to the whole model). Returns ``(x,
+        residual)`` for the next stage, or ``(hidden, None)`` after the final norm on the last."""
+        if self.first:
+            x, residual = self.embed_tokens(x), None
+        for i in self.stage:
+            x, residual = self.layers[i](x, residual, positions, self.rope, slots, mask, kv.layer(i - self.stage.start))
+        if self.last:
+            return self.norm(x, residual)[0], None
+        return x, residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
@@ -290,13 +312,14 @@ def native_types(model_dir: str | Path) -> dict[str, int]:
 
 def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                max_positions: int | None = None, weights: str = "native",
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", stage: range | None = None) -> LlamaForCausalLM:
     """Build the model described by ``model_dir/config.json`` and load this rank's weight shards.
 
     ``weights``: "native" keeps GGUF blocks with a quantized kernel as they are (TP = 1; layers
     without one, and every layer at TP > 1, are float in ``dtype``, with a one-line notice naming
     the block types); "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``.
-    The model is built and loaded on the host, then moved to ``device``; on CUDA GGUF blocks run
+    ``stage``: only these decoder layers (a pipeline stage, see :class:`LlamaForCausalLM`); the
+    checkpoint's other tensors are not read. The model is built and loaded on the host, then moved to ``device``; on CUDA GGUF blocks run
     dequantized in ``dtype`` (the quantized kernels are CPU kernels), with a one-line notice.
 
     Raises:
@@ -319,7 +342,8 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
               file=sys.stderr)
         native = {}
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native)
+        model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native, stage)
+    native = {n: t for n, t in native.items() if _in_stage(model, n)}
     kept = {n for n in native if model.native_weight(_param_name(n)[0]) is not None}
     lacking = sorted({quant.ggml_name(t) for n, t in native.items()
                       if n not in kept and not quant.has_kernel(t) and t not in _FLOAT_GGML_TYPES})
@@ -333,8 +357,21 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
                 for n in sorted(kept):
                     yield n, st.get_tensor(n)
 
-    model.load_weights(itertools.chain(iter_safetensors(model_dir, skip=kept.__contains__), blocks()))
+    skip = lambda n: n in kept or not _in_stage(model, n)  # noqa: E731
+    model.load_weights(itertools.chain(iter_safetensors(model_dir, skip=skip), blocks()))
     return model.to(device).eval()
+
+
+def _in_stage(model: LlamaForCausalLM, hf_name: str) -> bool:
+    """Whether checkpoint tensor ``hf_name`` belongs to a module this model (stage) holds."""
+    name = hf_name.removeprefix("model.")
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) in model.stage
+    if name.startswith("embed_tokens."):
+        return model.embed_tokens is not None
+    if name.startswith(("norm.", "lm_head.")):
+        return model.last
+    return True
 
 
 _FLOAT_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: float tensors in any case

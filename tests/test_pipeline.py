@@ -1,0 +1,168 @@
+"""Pipeline stages and the pipeline modes (swiftspec.pipeline, swiftspec.pipedec): the layer
+split, a staged forward bit-identical to the whole model, greedy output equal to autoregressive
+with 2 and 3 stages, the sampled distribution, pruning without recomputation, a dying stage."""
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from swiftspec import Engine, SamplingParams, WorkerError, engine
+from swiftspec.models.llama import load_model
+from swiftspec.pipeline import checkpoint_layer_bytes, partition_layers
+
+PROMPT = "hello world, this is a test"
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target3(tmp_path_factory):
+    from conftest import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-3-layers"), "qwen2", seed=4, layers=3)
+
+
+@pytest.fixture(scope="module")
+def draft3(tmp_path_factory, target3):
+    """Mostly agrees with the target: hits, misses and pruning all happen."""
+    from conftest import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-3-draft"), "qwen2", seed=5, layers=3,
+                            perturb_from=target3, perturb=0.08)
+
+
+@pytest.fixture(scope="module")
+def reference(target3):
+    with Engine(target3, mode="autoregressive", dtype="float32") as eng:
+        return eng.generate(PROMPT, GREEDY)
+
+
+def test_partition_layers():
+    assert partition_layers([1] * 4, 2) == [range(0, 2), range(2, 4)]
+    assert partition_layers([1] * 4, 2, head_bytes=2) == [range(0, 3), range(3, 4)]  # the LM head weighs
+    assert partition_layers([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
+    assert partition_layers([1, 2, 3], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    with pytest.raises(ValueError):
+        partition_layers([1, 1], 3)
+
+
+def test_checkpoint_layer_bytes(target3):
+    layers, head = checkpoint_layer_bytes(target3, 3)
+    model = load_model(target3)
+    per_layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    assert layers == [per_layer] * 3
+    assert head == model.embed_tokens.weight.numel() * 4  # tied: the LM head reads the embedding
+
+
+@pytest.mark.parametrize("cuts", [[0, 1, 3], [0, 2, 3], [0, 1, 2, 3]])
+def test_staged_forward_equals_whole_model(target3, cuts):
+    full = load_model(target3)
+    n = 9
+    ids, pos = torch.tensor([3, 4, 5, 6, 8, 9, 10, 11, 12]), torch.arange(n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    ref = full(ids, pos, pos, mask, full.make_kv_cache(16))
+    x, residual = ids, None
+    for a, b in zip(cuts, cuts[1:]):
+        part = load_model(target3, stage=range(a, b))
+        assert (part.embed_tokens is not None) == (a == 0 or b == 3) and (part.lm_head is not None) == (b == 3)
+        assert part.make_kv_cache(4).buf.shape[0] == b - a
+        x, residual = part.forward_stage(x, residual, pos, pos, mask, part.make_kv_cache(16))
+    assert residual is None and torch.equal(x, ref)
+    with pytest.raises(ValueError, match="non-empty range"):
+        load_model(target3, stage=range(2, 5))
+
+
+def test_pipeline_config_errors():
+    with pytest.raises(ValueError, match="need pipeline_stages >= 2"):
+        engine.EngineConfig(mode="pipedec")
+    with pytest.raises(ValueError, match="need pipeline_stages >= 2"):
+        engine.EngineConfig(mode="serial", pipeline_stages=2)
+    with pytest.raises(ValueError, match="TP = 1"):
+        engine.EngineConfig(mode="pipedec", pipeline_stages=2, target_tp=2)
+    assert engine.choose_mode(engine.EngineConfig(pipeline_stages=3))[0] == "pipedec"
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeline_modes_equal_autoregressive(target3, draft3, reference, stages):
+    with Engine(target3, mode="pipeline-autoregressive", dtype="float32", pipeline_stages=stages) as eng:
+        out = eng.generate(PROMPT, GREEDY)
+        assert out.token_ids == reference.token_ids and out.text == reference.text
+        t = out.metrics.target
+        assert t["timesteps"] == stages * 40 and t["pruned"] == 0  # one token crosses every stage in turn
+        assert [s["layers"] for s in t["stages"]] == [[r.start, r.stop] for r in partition_layers([1] * 3, stages, 1)]
+    with Engine(target3, draft3, mode="pipedec", dtype="float32", pipeline_stages=stages, w=3, topk=2) as eng:
+        for _ in range(2):  # a second request on the same stages (their KV is simply overwritten)
+            out = eng.generate(PROMPT, GREEDY)
+            assert out.token_ids == reference.token_ids
+        t = out.metrics.target
+        hits = out.metrics.accepted_hist.get(1, 0)
+        assert hits > 0 and out.metrics.accepted_hist.get(0, 0) > 0, "the draft must both hit and miss"
+        assert t["pruned"] > 0 and t["timesteps"] < stages * 40
+        # no KV entry is computed twice: stage 0 ran the prompt and every issued node once
+        assert t["forward_tokens"] == len(eng.encode(PROMPT)) + t["issued"]
+        assert sum(s["cancelled_rows"] for s in t["stages"]) == t["pruned"] + t["drained"]
+
+
+def test_identical_draft_hits_every_layer(target3, reference):
+    # the draft unquantized and one child per node: the tree is the target's own greedy chain
+    with Engine(target3, target3, mode="pipedec", dtype="float32", pipeline_stages=3, w=2, topk=1,
+                draft_quant="none") as eng:
+        out = eng.generate(PROMPT, GREEDY)
+    assert out.token_ids == reference.token_ids
+    assert out.metrics.accepted_hist == {1: 39}  # every token after the first was already in flight
+    assert out.metrics.target["timesteps"] == 3 + 2 + 39  # prefill, the first root, then one token a step
+
+
+def test_pipedec_sampling_follows_target_distribution(target3, draft3):
+    """Joint distribution of the first three sampled tokens against the exact target
+    distribution (chi-square), with a draft that often proposes the sampled token."""
+    from scipy.stats import chisquare
+
+    from swiftspec.sampling import Sampler
+
+    params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    model = load_model(target3)
+    with Engine(target3, draft3, mode="pipedec", dtype="float32", pipeline_stages=2, w=3, topk=3) as eng:
+        prompt = eng.encode(PROMPT)
+
+        def dist(ids):
+            n = len(ids)
+            pos = torch.arange(n)
+            h = model(torch.tensor(ids), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), model.make_kv_cache(64))
+            return Sampler(SamplingParams(**params)).probs(model.compute_logits(h[-1:])[0])
+
+        exact = {}
+        p0 = dist(prompt)
+        for a in p0.nonzero().flatten().tolist():
+            p1 = dist(prompt + [a])
+            for b in p1.nonzero().flatten().tolist():
+                p2 = dist(prompt + [a, b])
+                for c in p2.nonzero().flatten().tolist():
+                    exact[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
+        n, counts, hits = 600, Counter(), 0
+        for seed in range(n):
+            out = eng.generate(prompt, SamplingParams(**params, seed=seed))
+            counts[tuple(out.token_ids)] += 1
+            hits += out.metrics.accepted_hist.get(1, 0)
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    total = sum(exact.values())
+    assert chisquare([counts[k] for k in keys], [exact[k] / total * n for k in keys]).pvalue > 1e-3
+    assert hits > n // 4, "sampled tokens must often be found in the tree"
+
+
+def test_dead_stage_raises_quickly(target3, draft3):
+    eng = Engine(target3, draft3, mode="pipedec", dtype="float32", pipeline_stages=3, max_model_len=2048)
+    pids = eng.pids
+    it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+    next(it)
+    os.kill(pids[2], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="swiftspec-stage-2 .* died"):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.3)
+    for p in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p, 0)
