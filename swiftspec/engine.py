@@ -30,8 +30,8 @@ from swiftspec.sampling import SamplingParams, TokenLogprob
 from swiftspec.scheduler import Request
 from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
 
-MODES = ("async", "serial", "autoregressive", "pipedec", "pipeline-autoregressive")
-PIPELINE_MODES = ("pipedec", "pipeline-autoregressive")
+MODES = ("async", "serial", "autoregressive", "pipedec", "pipeinfer", "pipeline-autoregressive")
+PIPELINE_MODES = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 WEIGHT_FORMATS = ("native", "bfloat16", "float32")
 
 
@@ -117,9 +117,11 @@ class EngineConfig:
     Attributes:
         mode: "auto" (default: the fastest mode for this machine, :func:`choose_mode`), "async"
             (SwiftSpec), "serial" (SwiftSpec-base), "autoregressive", or a pipeline mode (with
-            ``pipeline_stages`` >= 2; :mod:`swiftspec.pipedec`): "pipedec" (PipeDec: the draft
-            in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per node)
-            or "pipeline-autoregressive" (the target alone through the stages).
+            ``pipeline_stages`` >= 2; :mod:`swiftspec.pipeline_decode`): "pipedec" (PipeDec: the
+            draft in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per
+            node), "pipeinfer" (PipeInfer: a run of ``w`` draft tokens enters every timestep,
+            invalidated runs are cancelled mid-pipeline) or "pipeline-autoregressive" (the target
+            alone through the stages).
         pipeline_stages: split the target's layers into this many pipeline stages (balanced by
             weight bytes; one process each, ``target_cores + draft_cores`` split among them);
             1 (default) = no pipeline. "auto" mode with 2 or more runs "pipedec". CPU only.

@@ -31,8 +31,8 @@ class WorkerSpec:
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
         kind: this group's job: "target" (async target group), "draft" (async draft group),
-            "serial" (both models), "autoregressive" (target only), "pipedec" /
-            "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft for pipedec)
+            "serial" (both models), "autoregressive" (target only), "pipedec" / "pipeinfer" /
+            "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
         stage: the target's decoder layers ``(start, stop)`` this rank holds (pipeline modes),
             None for all; stages: the pipeline's length.
@@ -74,11 +74,11 @@ class WorkerSpec:
         return self.rank == self.groups[self.group][0]
 
 
-PIPELINE_LEADERS = ("pipedec", "pipeline-autoregressive")
+PIPELINE_LEADERS = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 
 
 def _capacity(spec: WorkerSpec, role: str) -> int:
-    if spec.stages > 1:  # tree slots between compactions (swiftspec.pipedec)
+    if spec.stages > 1:  # tree slots between compactions (swiftspec.pipeline_decode)
         return spec.max_model_len + 4 * spec.tree.w * (spec.stages + 1)
     if role == ROLE_TARGET:
         return spec.max_model_len + spec.tree.bs
@@ -190,14 +190,14 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
 
 
 def _lead_pipeline(spec: WorkerSpec, runners, engine: Connection) -> None:
-    """Stage 0 of a pipeline mode: the decoding loop of :mod:`swiftspec.pipedec` per request."""
+    """Stage 0 of a pipeline mode: the decoding loop of :mod:`swiftspec.pipeline_decode` per request."""
     from swiftspec import scheduler
-    from swiftspec.pipedec import PipeDec
     from swiftspec.pipeline import PipelineLeader, Stage
+    from swiftspec.pipeline_decode import PipelineDecoder
 
     target = runners[ROLE_TARGET]
     pipe = PipelineLeader(Stage(target, 0, spec.stages))
-    loop = PipeDec(pipe, runners.get(ROLE_DRAFT), spec.tree.w, spec.tree.topk, target.capacity)
+    loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity)
     decode = _decoder(spec.tokenizer_file)
     try:
         while True:

@@ -1,6 +1,7 @@
-"""Pipeline stages and the pipeline modes (swiftspec.pipeline, swiftspec.pipedec): the layer
-split, a staged forward bit-identical to the whole model, greedy output equal to autoregressive
-with 2 and 3 stages, the sampled distribution, pruning without recomputation, a dying stage."""
+"""Pipeline stages and the pipeline modes (swiftspec.pipeline, swiftspec.pipeline_decode): the
+layer split, a staged forward bit-identical to the whole model, greedy output of pipedec and
+pipeinfer equal to autoregressive with 2 and 3 stages, the sampled distribution, pruning and
+cancellation without recomputation, a dying stage."""
 import os
 import signal
 import time
@@ -90,30 +91,34 @@ def test_pipeline_modes_equal_autoregressive(target3, draft3, reference, stages)
         t = out.metrics.target
         assert t["timesteps"] == stages * 40 and t["pruned"] == 0  # one token crosses every stage in turn
         assert [s["layers"] for s in t["stages"]] == [[r.start, r.stop] for r in partition_layers([1] * 3, stages, 1)]
-    with Engine(target3, draft3, mode="pipedec", dtype="float32", pipeline_stages=stages, w=3, topk=2) as eng:
-        for _ in range(2):  # a second request on the same stages (their KV is simply overwritten)
-            out = eng.generate(PROMPT, GREEDY)
-            assert out.token_ids == reference.token_ids
-        t = out.metrics.target
-        hits = out.metrics.accepted_hist.get(1, 0)
-        assert hits > 0 and out.metrics.accepted_hist.get(0, 0) > 0, "the draft must both hit and miss"
-        assert t["pruned"] > 0 and t["timesteps"] < stages * 40
-        # no KV entry is computed twice: stage 0 ran the prompt and every issued node once
-        assert t["forward_tokens"] == len(eng.encode(PROMPT)) + t["issued"]
-        assert sum(s["cancelled_rows"] for s in t["stages"]) == t["pruned"] + t["drained"]
+    for mode in ("pipedec", "pipeinfer"):
+        with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=stages, w=3, topk=2) as eng:
+            for _ in range(2):  # a second request on the same stages (their KV is simply overwritten)
+                out = eng.generate(PROMPT, GREEDY)
+                assert out.token_ids == reference.token_ids, mode
+            t = out.metrics.target
+            hits = out.metrics.accepted_hist.get(1, 0)
+            assert hits > 0 and out.metrics.accepted_hist.get(0, 0) > 0, "the draft must both hit and miss"
+            assert t["pruned"] > 0 and t["timesteps"] < stages * 40
+            # no KV entry is computed twice: stage 0 ran the prompt and every issued node once
+            assert t["forward_tokens"] == len(eng.encode(PROMPT)) + t["issued"]
+            assert sum(s["cancelled_rows"] for s in t["stages"]) == t["pruned"] + t["drained"]
 
 
-def test_identical_draft_hits_every_layer(target3, reference):
+@pytest.mark.parametrize("mode,steps", [("pipedec", 3 + 2 + 39),  # prefill, the first root, then a token a step
+                                        ("pipeinfer", 3 + 2 + 20)])  # then a run of 2 tokens a step
+def test_identical_draft_hits_every_node(target3, reference, mode, steps):
     # the draft unquantized and one child per node: the tree is the target's own greedy chain
-    with Engine(target3, target3, mode="pipedec", dtype="float32", pipeline_stages=3, w=2, topk=1,
+    with Engine(target3, target3, mode=mode, dtype="float32", pipeline_stages=3, w=2, topk=1,
                 draft_quant="none") as eng:
         out = eng.generate(PROMPT, GREEDY)
     assert out.token_ids == reference.token_ids
     assert out.metrics.accepted_hist == {1: 39}  # every token after the first was already in flight
-    assert out.metrics.target["timesteps"] == 3 + 2 + 39  # prefill, the first root, then one token a step
+    assert out.metrics.target["timesteps"] == steps
 
 
-def test_pipedec_sampling_follows_target_distribution(target3, draft3):
+@pytest.mark.parametrize("mode", ["pipedec", "pipeinfer"])
+def test_sampling_follows_target_distribution(target3, draft3, mode):
     """Joint distribution of the first three sampled tokens against the exact target
     distribution (chi-square), with a draft that often proposes the sampled token."""
     from scipy.stats import chisquare
@@ -122,7 +127,7 @@ def test_pipedec_sampling_follows_target_distribution(target3, draft3):
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     model = load_model(target3)
-    with Engine(target3, draft3, mode="pipedec", dtype="float32", pipeline_stages=2, w=3, topk=3) as eng:
+    with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=2, w=3, topk=3) as eng:
         prompt = eng.encode(PROMPT)
 
         def dist(ids):
@@ -148,11 +153,12 @@ def test_pipedec_sampling_follows_target_distribution(target3, draft3):
     keys = sorted(exact)
     total = sum(exact.values())
     assert chisquare([counts[k] for k in keys], [exact[k] / total * n for k in keys]).pvalue > 1e-3
-    assert hits > n // 4, "sampled tokens must often be found in the tree"
+    assert hits > n // 5, "sampled tokens must often be found in the tree"
 
 
-def test_dead_stage_raises_quickly(target3, draft3):
-    eng = Engine(target3, draft3, mode="pipedec", dtype="float32", pipeline_stages=3, max_model_len=2048)
+@pytest.mark.parametrize("mode", ["pipedec", "pipeinfer"])
+def test_dead_stage_raises_quickly(target3, draft3, mode):
+    eng = Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=3, max_model_len=2048)
     pids = eng.pids
     it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
     next(it)

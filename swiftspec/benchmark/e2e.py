@@ -37,12 +37,12 @@ PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 
 SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
            "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
            "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec",
-           "pipeline-autoregressive", "pipedec")
+           "pipeline-autoregressive", "pipedec", "pipeinfer")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
                 "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
                 "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
                 "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive",
-                "pipeline-autoregressive": "pipeline-autoregressive", "pipedec": "pipedec"}
+                "pipeline-autoregressive": "pipeline-autoregressive", "pipedec": "pipedec", "pipeinfer": "pipeinfer"}
 # the pipeline modes run 2 stages, each on its own share of the cores (swiftspec.pipeline)
 PIPELINE_STAGES = 2
 # "-dequantized": every weight dequantized in the activation dtype (the engine before native weights)
@@ -134,7 +134,7 @@ def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[
     t, d = _param_count(target_dir) * per, _param_count(draft_dir)
     out = {}
     for s in systems:
-        if s.startswith("swiftspec") or s == "pipedec":
+        if s.startswith("swiftspec") or s in ("pipedec", "pipeinfer"):
             out[s] = t + d
         elif s == "hf-assisted":
             out[s] = t + d * per
@@ -265,7 +265,7 @@ def markdown(records: list[dict]) -> str:
               "(Qwen2-72B / Qwen2-1.5B on 8 GPUs) for reference:", "",
               f"| system | {head} |", "|" + "---|" * (len(datasets) + 1)]
     for s in systems:
-        if s in ("autoregressive", "hf", "llama-cpp", "pipeline-autoregressive", "pipedec"):  # 1 by definition
+        if s in ("autoregressive", "hf", "llama-cpp", "pipeline-autoregressive", "pipedec", "pipeinfer"):
             continue
         lines.append(f"| {s} | " + " | ".join(
             f"{get[(s, d)]['compression_ratio']:.2f}" if (s, d) in get else "-" for d in datasets) + " |")
