@@ -1,4 +1,5 @@
-"""Command line: ``swiftspec generate`` (and the model cache helper ``swiftspec fetch``)."""
+"""Command line: ``swiftspec generate``, ``serve``, ``bench``, ``profile``, ``worker`` (a remote
+pipeline stage) and the model cache helper ``swiftspec fetch``."""
 from __future__ import annotations
 
 import argparse
@@ -77,6 +78,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from swiftspec.pipeline_worker import worker_cli
+
+    return worker_cli(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from swiftspec.benchmark.e2e import main as bench_main
 
@@ -146,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile_parser(pr)
     pr.set_defaults(func=cmd_profile)
+
+    w = sub.add_parser("worker", help="one pipeline stage of an engine whose stage 0 runs on another host")
+    w.add_argument("--stage", type=int, required=True, help="this stage's index (1 .. stages-1)")
+    w.add_argument("--stages", type=int, required=True, help="the pipeline's length (the engine's pipeline_stages)")
+    w.add_argument("--master-addr", required=True, help="host of stage 0 (the engine)")
+    w.add_argument("--master-port", type=int, required=True, help="the engine's master_port")
+    w.add_argument("--target", help="this host's copy of the target model (default: the default pair's); "
+                                    "its files must hash like stage 0's")
+    w.add_argument("--cores", type=_int_list, help="comma-separated CPU cores (default: all this process may use)")
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the rendezvous")
+    w.add_argument("--cache-dir")
+    w.set_defaults(func=cmd_worker)
 
     f = sub.add_parser("fetch", help="download, check and convert the default model pair into the cache")
     f.add_argument("--cache-dir")

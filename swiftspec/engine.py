@@ -125,6 +125,10 @@ class EngineConfig:
         pipeline_stages: split the target's layers into this many pipeline stages (balanced by
             weight bytes; one process each, ``target_cores + draft_cores`` split among them);
             1 (default) = no pipeline. "auto" mode with 2 or more runs "pipedec". CPU only.
+        remote_stages: pipeline stages that run on other hosts, each started there with
+            ``swiftspec worker --stage K --stages S --master-addr A --master-port P --target
+            MODEL``; the engine starts the others. master_addr / master_port: where stage 0
+            hosts the rendezvous (port 0 = a free one, only without remote stages).
         dtype: activation dtype: "float32", "bfloat16" or "auto" (bf16 where the CPU has native
             bf16 dot products); also the dtype of weights that run dequantized.
         weights: "native" (default: GGUF block weights stay as in the file and run on the
@@ -180,6 +184,9 @@ class EngineConfig:
     d: int | None = None
     max_model_len: int = 4096
     pipeline_stages: int = 1
+    remote_stages: list[int] = field(default_factory=list)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
     draft_quant: str = "int8"
     draft_vocab: int | None = 32768
     kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
@@ -207,6 +214,11 @@ class EngineConfig:
                              f"{PIPELINE_MODES} need pipeline_stages >= 2, the others 1")
         if self.pipeline_stages > 1 and (self.target_tp > 1 or self.draft_tp > 1):
             raise ValueError("pipeline stages run at TP = 1 (one process per stage)")
+        bad = [k for k in self.remote_stages if not 1 <= k < self.pipeline_stages]
+        if bad:
+            raise ValueError(f"remote_stages {bad} are not later stages of {self.pipeline_stages} (stage 0 runs here)")
+        if self.remote_stages and not self.master_port:
+            raise ValueError("remote stages need a fixed master_port (their `swiftspec worker --master-port`)")
         if self.draft_quant not in ("int8", "none"):
             raise ValueError(f"draft_quant must be int8 or none, got {self.draft_quant!r}")
         if self.draft_vocab is not None and self.draft_vocab < 2:
@@ -434,7 +446,9 @@ class Engine:
             rank += g.tp
         world = rank
         pipelined = self.config.pipeline_stages > 1
-        port = free_tcp_port() if pipelined or any(len(g) > 1 for g in groups) else 0
+        port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
+        if pipelined:
+            port = self.config.master_port or free_tcp_port()
         stage_layers = self._stage_layers() if pipelined else None
         tok_file = str(Path(self.target_path) / "tokenizer.json")
         self._leader_conns: dict[str, Connection] = {}
@@ -448,6 +462,8 @@ class Engine:
             draft_quant = None
         for gi, group in enumerate(layout):
             kind, models = group.kind, group.models
+            if pipelined and gi in self.config.remote_stages:
+                continue  # started on its host by `swiftspec worker`
             follower_pipes = [ctx.Pipe() for _ in range(group.tp - 1)]
             handed_over += [c for pair in follower_pipes for c in pair]
             for j, r in enumerate(groups[gi]):
@@ -459,7 +475,8 @@ class Engine:
                                   draft_quant=draft_quant,
                                   kernels=self.config.kernels, weights=self.config.weights,
                                   tokenizer_file=tok_file, stages=len(layout) if pipelined else 1,
-                                  stage=stage_layers[gi] if pipelined else None)
+                                  stage_layers=stage_layers, master_addr=self.config.master_addr,
+                                  start_timeout_s=self.config.start_timeout_s)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]

@@ -16,19 +16,32 @@ of its own KV cache) and sends the result on; the last stage sends the requested
 0. Since every stage sees the same ordered sequence of controls, slot moves (KV compaction) are
 applied everywhere at the same point of the token stream, and nothing is recomputed.
 
-A stage that dies closes its sockets: the peers' pending receive fails at once (gloo) and the
-process group's timeout bounds every other wait; the engine reports which stage died.
+Stages may run on other hosts (``swiftspec worker``): every rank joins one TCP rendezvous
+(:func:`join`, its store hosted by rank 0), receives the leader's :class:`StagePlan` (which layers,
+dtype, weights), checks that its model files hash like the leader's, and loads only its layers.
+Every rank advances a heartbeat counter in the store (:class:`Heartbeat`); a stage that dies (its
+sockets close: the peers' pending gloo operation fails at once) or whose host goes away (its
+counter stops) is named, with its host, by every other rank within ``HEARTBEAT_LIMIT_S`` seconds,
+which then exits instead of waiting on a receive that cannot complete.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 LEADER = 0
+# a stage whose heartbeat has not advanced for this long is reported gone (seconds)
+HEARTBEAT_LIMIT_S = 3.0
 
 
 def partition_layers(layer_bytes: list[int], stages: int, head_bytes: int = 0, first_bytes: int = 0) -> list[range]:
@@ -250,3 +263,147 @@ class PipelineLeader:
 
     def shutdown(self) -> None:
         broadcast(Control("end"))
+
+
+# ---- rendezvous, plan, heartbeat (one host or several) -----------------------------------
+@dataclass
+class StagePlan:
+    """What the leader tells every stage after the rendezvous: the target's layers of each stage,
+    and how to load them (the fields of :class:`swiftspec.worker.WorkerSpec` that matter there)."""
+
+    layers: list[tuple[int, int]]
+    dtype: str
+    weights: str
+    kernels: bool
+    max_model_len: int
+    width: int
+    model_digest: str
+
+
+def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> dist.Store:
+    """Join the pipeline's torch.distributed world (gloo) through a TCP store that rank 0 hosts
+    on ``master_port`` (every interface); wait at most ``timeout_s`` for the others.
+
+    Raises:
+        RuntimeError: the rendezvous did not complete in time (a stage was never started, a
+            wrong address or port, a firewall).
+    """
+    try:
+        store = dist.TCPStore(master_addr, master_port, world, is_master=rank == LEADER,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    except Exception as e:
+        raise RuntimeError(f"pipeline rendezvous at {master_addr}:{master_port} (stage {rank} of {world}) failed "
+                           f"within {timeout_s:.0f} s: {e}") from e
+    return store
+
+
+def model_digest(model_dir: str | Path) -> str:
+    """sha256 over a model directory's config.json and weight files (contents), so stages on
+    other hosts can check that they hold the same model; cached beside the files per (size,
+    mtime) in ``.swiftspec-digest.json`` when the directory is writable."""
+    root = Path(model_dir)
+    files = [root / "config.json"] + sorted(root.glob("*.safetensors")) + sorted(root.glob("native/*.safetensors"))
+    cache_file = root / ".swiftspec-digest.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    total, changed = hashlib.sha256(), False
+    for f in files:
+        st = f.stat()
+        key = str(f.relative_to(root))
+        entry = cache.get(key)
+        if not entry or entry[:2] != [st.st_size, st.st_mtime_ns]:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+            cache[key], changed = [st.st_size, st.st_mtime_ns, h.hexdigest()], True
+        total.update(f"{key}:{cache[key][2]}\n".encode())
+    if changed:
+        try:
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass
+    return total.hexdigest()
+
+
+def exchange_plan(plan: StagePlan | None, digest: str) -> tuple[StagePlan, list[tuple[str, int]]]:
+    """The leader passes its plan, the others None; every rank gets the plan and every rank's
+    ``(host, pid)``. Every rank checks every digest against the leader's.
+
+    Raises:
+        RuntimeError: a stage's model files differ from the leader's (names the stage and host).
+    """
+    box = [plan]
+    dist.broadcast_object_list(box, src=LEADER)
+    plan = box[0]
+    peers = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid(), digest))
+    bad = [(r, h, d) for r, (h, _, d) in enumerate(peers) if d != plan.model_digest]
+    if bad:
+        raise RuntimeError("pipeline stages hold different target models: " + "; ".join(
+            f"stage {r} on host {h} has sha256 {d[:16]}..., the leader {plan.model_digest[:16]}..." for r, h, d in bad))
+    return plan, [(h, pid) for h, pid, _ in peers]
+
+
+class Heartbeat:
+    """A thread that advances this rank's counter in the store every ``period`` seconds and
+    watches the others'; when one stops advancing for ``limit`` seconds (or the store itself,
+    in the leader's process, is gone) it calls ``on_lost(message)`` once, naming the stage and
+    its host. :meth:`lost` gives that message to a main thread whose gloo call failed."""
+
+    def __init__(self, store: dist.Store, rank: int, peers: list[tuple[str, int]], on_lost,
+                 period: float = 0.5, limit: float = HEARTBEAT_LIMIT_S):
+        self.store, self.rank, self.peers, self.on_lost = store, rank, peers, on_lost
+        self.period, self.limit = period, limit
+        self.message: str | None = None
+        self._stop = threading.Event()
+        self._beat = 0
+        store.set(f"hb/{rank}", "0")
+        self._thread = threading.Thread(target=self._run, name="swiftspec-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _name(self, r: int) -> str:
+        host, pid = self.peers[r]
+        return f"pipeline stage {r} on host {host} (pid {pid})"
+
+    def _run(self) -> None:
+        seen = {r: (None, time.monotonic()) for r in range(len(self.peers)) if r != self.rank}
+        while not self._stop.wait(self.period):
+            try:
+                self._beat += 1
+                self.store.set(f"hb/{self.rank}", str(self._beat))
+                now = time.monotonic()
+                for r, (last, since) in seen.items():
+                    v = self.store.get(f"hb/{r}") if self.store.check([f"hb/{r}"]) else None
+                    if v != last:
+                        seen[r] = (v, now)
+                    elif now - since > self.limit:
+                        self._report(f"{self._name(r)} stopped responding (no heartbeat for {self.limit:.0f} s)")
+                        return
+            except Exception as e:  # the store lives in the leader's process
+                if self.rank == LEADER:
+                    self._report(f"pipeline heartbeat store failed: {e}")
+                else:
+                    self._report(f"{self._name(LEADER)} (the leader) is gone: {type(e).__name__}: {e}")
+                return
+
+    def _report(self, message: str) -> None:
+        self.message = message
+        self.on_lost(message)
+
+    def lost(self, wait_s: float | None = None) -> str | None:
+        """The failure message, waiting up to ``wait_s`` (default: the limit plus two periods)
+        for the watcher to name the stage after a collective failed."""
+        deadline = time.monotonic() + (self.limit + 2 * self.period if wait_s is None else wait_s)
+        while self.message is None and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        return self.message
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)

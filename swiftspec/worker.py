@@ -9,7 +9,6 @@ the process exits, so the engine can raise it instead of hanging.
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -34,8 +33,9 @@ class WorkerSpec:
             "serial" (both models), "autoregressive" (target only), "pipedec" / "pipeinfer" /
             "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
-        stage: the target's decoder layers ``(start, stop)`` this rank holds (pipeline modes),
-            None for all; stages: the pipeline's length.
+        stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
+            decoder layers ``(start, stop)`` of every stage (the leader's plan); master_addr: the
+            rendezvous host (``port`` its port); start_timeout_s: how long to wait for the stages.
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.placement`); it also picks the collective backend.
@@ -66,8 +66,10 @@ class WorkerSpec:
     draft_quant: str | None = None
     kernels: bool = True
     tokenizer_file: str | None = None
-    stage: tuple[int, int] | None = None
     stages: int = 1
+    stage_layers: list[tuple[int, int]] | None = None
+    master_addr: str = "127.0.0.1"
+    start_timeout_s: float = 600.0
 
     @property
     def is_leader(self) -> bool:
@@ -78,8 +80,6 @@ PIPELINE_LEADERS = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 
 
 def _capacity(spec: WorkerSpec, role: str) -> int:
-    if spec.stages > 1:  # tree slots between compactions (swiftspec.pipeline_decode)
-        return spec.max_model_len + 4 * spec.tree.w * (spec.stages + 1)
     if role == ROLE_TARGET:
         return spec.max_model_len + spec.tree.bs
     return spec.max_model_len + spec.tree.max_cached + spec.tree.w
@@ -90,9 +90,7 @@ def _setup(spec: WorkerSpec):
     from swiftspec.parallel import LOCAL, init_world
     from swiftspec.runner import ModelRunner
 
-    if spec.cores is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, spec.cores)
-    torch.set_num_threads(spec.threads)
+    _pin(spec)
     ops.set_kernels(spec.kernels)
     device = torch.device(spec.device)
     if device.type == "cuda":  # before the process group: NCCL binds to the current device
@@ -105,33 +103,45 @@ def _setup(spec: WorkerSpec):
     runners = {}
     for role, path in spec.models.items():
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
-        if role == ROLE_TARGET and spec.stage is not None:
-            extra["stage"] = range(*spec.stage)
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
     return runners
+
+
+def _pin(spec: WorkerSpec) -> None:
+    if spec.cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, spec.cores)
+    torch.set_num_threads(spec.threads)
+
+
+def _run_pipeline(spec: WorkerSpec, engine: Connection) -> None:
+    """A pipeline stage started by the engine (:mod:`swiftspec.pipeline_worker`)."""
+    from swiftspec import pipeline_worker as pw
+
+    _pin(spec)
+    if spec.kind in PIPELINE_LEADERS:
+        pw.lead(spec, engine)
+        return
+    conn = pw.LockedConn(engine)
+    pw.follow(spec.rank, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET], spec.start_timeout_s,
+              lambda msg: pw._die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))
 
 
 def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
                 leader: Connection | None, peer: Connection | None) -> None:
     """Process entry point (see the module docstring)."""
     try:
+        if spec.stages > 1:
+            _run_pipeline(spec, engine)
+            return _leave_world()
         runners = _setup(spec)
         engine.send(("ready", os.getpid()))
-        if spec.kind == "stage":
-            from swiftspec.pipeline import Stage, serve_stage
-            serve_stage(Stage(runners[ROLE_TARGET], spec.rank, spec.stages))
-        elif spec.kind in PIPELINE_LEADERS:
-            _lead_pipeline(spec, runners, engine)
-        elif spec.is_leader:
+        if spec.is_leader:
             _lead(spec, runners, engine, followers, peer)
         else:
             from swiftspec.runner import serve_follower
             serve_follower(runners, leader)
-        if spec.port:  # leave the world cleanly (gloo's threads otherwise abort at exit)
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        _leave_world()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
     except BaseException:
@@ -189,39 +199,12 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 pass
 
 
-def _lead_pipeline(spec: WorkerSpec, runners, engine: Connection) -> None:
-    """Stage 0 of a pipeline mode: the decoding loop of :mod:`swiftspec.pipeline_decode` per request."""
-    from swiftspec import scheduler
-    from swiftspec.pipeline import PipelineLeader, Stage
-    from swiftspec.pipeline_decode import PipelineDecoder
+def _leave_world() -> None:
+    """Leave the torch.distributed world cleanly (gloo's threads otherwise abort at exit)."""
+    import torch.distributed as dist
 
-    target = runners[ROLE_TARGET]
-    pipe = PipelineLeader(Stage(target, 0, spec.stages))
-    loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity)
-    decode = _decoder(spec.tokenizer_file)
-    try:
-        while True:
-            msg = engine.recv()
-            if msg[0] == "shutdown":
-                return
-            if msg[0] == "cancel":
-                continue
-            req = msg[1]
-            for r in runners.values():
-                r.reset_stats()
-            t0 = time.perf_counter()
-            st = loop.run(req, lambda toks, t, lps: engine.send(("tokens", toks, t, lps)),
-                          scheduler.StopChecker(req, decode, cancelled=engine.poll))
-            wall = time.perf_counter() - t0
-            stats = {role: r.stats() for role, r in runners.items()}
-            stats[ROLE_TARGET].update(timesteps=st.timesteps, issued=st.issued, pruned=st.pruned, drained=st.drained,
-                                      flushes=st.flushes, stages=st.stages, wall_s=wall)
-            engine.send(("done", spec.kind, st, stats))
-    finally:
-        try:
-            pipe.shutdown()
-        except Exception:  # a stage is gone: the engine reports it
-            pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _decoder(tokenizer_file: str | None):

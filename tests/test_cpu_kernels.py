@@ -274,6 +274,46 @@ def test_tree_attention_node_equals_compacted_decode(ops, dtype, prefix):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [250, 509])
+def test_tree_attention_slot_positions(ops, dtype, prefix):
+    """Keys written by *earlier* calls in tree slots (the pipeline modes: a node's ancestors sit
+    in slots past their positions while their descendants run): with ``slot_positions`` a chain
+    of tokens decoded one at a time at slots ``prefix + 40 + 3 i`` (gaps: pruned siblings) is
+    bit-identical to the same chain at slots equal to its positions, across a split boundary;
+    without, the keys are split by slot and the sums differ."""
+    hq, hk, d, steps = 4, 2, 64, 12
+    C = prefix + 40 + 3 * steps + 1
+    g = torch.Generator().manual_seed(prefix)
+    k0, v0 = (torch.randn(hk, C, d, generator=g).to(dtype) for _ in range(2))
+    cos, sin = _rope_tables(d)
+    q, kn, vn = (torch.randn(steps, n, d, generator=g).to(dtype) for n in (hq, hk, hk))
+    outs = {}
+    for impl in ["auto", *ops._tree_attention_impls()]:
+        for layout in ("compact", "gaps", "gaps-unknown"):
+            kc, vc = k0.clone(), v0.clone()
+            slot_pos = torch.arange(C)
+            seen = list(range(prefix))
+            res = []
+            for i in range(steps):
+                pos = prefix + i
+                slot = pos if layout == "compact" else prefix + 40 + 3 * i
+                seen.append(slot)
+                mask = torch.zeros(1, max(seen) + 1, dtype=torch.bool)
+                mask[0, seen] = True
+                res.append(ops._tree_attention_impl(
+                    q[i:i + 1], kn[i:i + 1], vn[i:i + 1], kc, vc, torch.tensor([slot]), torch.tensor([pos]), cos, sin,
+                    mask, d ** -0.5, impl, slot_pos if layout == "gaps" else None))
+                slot_pos[slot] = pos
+            outs[layout] = torch.cat(res)
+        assert torch.equal(outs["gaps"], outs["compact"]), impl
+        if dtype == torch.float32:  # the test can fail (bf16 outputs may round the difference away)
+            assert not torch.equal(outs["gaps-unknown"], outs["compact"]), impl
+    with pytest.raises(RuntimeError, match="slot_positions"):
+        ops.tree_attention(q[:1], kn[:1], vn[:1], k0.clone(), v0.clone(), torch.tensor([0]), torch.tensor([0]), cos,
+                           sin, torch.ones(1, 8, dtype=torch.bool), 1.0, torch.arange(4))
+
+
 def test_tree_attention_all_masked_and_empty_prefix(ops):
     n, S = 4, 40
     args = _attn_case(n, 4, 2, 64, S, 48, torch.float32, torch.zeros(n, S, dtype=torch.bool))

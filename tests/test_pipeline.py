@@ -4,6 +4,8 @@ pipeinfer equal to autoregressive with 2 and 3 stages, the sampled distribution,
 cancellation without recomputation, a dying stage."""
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -172,3 +174,83 @@ def test_dead_stage_raises_quickly(target3, draft3, mode):
     for p in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(p, 0)
+
+
+def _remote_stage(target, port: int):
+    """A stage in a separate process tree, as `swiftspec worker` runs it on another host."""
+    return subprocess.Popen([sys.executable, "-m", "swiftspec", "worker", "--stage", "1", "--stages", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port), "--target", str(target),
+                             "--timeout", "120"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_two_hosts_joined_over_tcp(target3, draft3, reference):
+    """Stage 1 in its own process tree joins stage 0 by TCP rendezvous; the output is unchanged;
+    killing either side makes the other raise (or exit) within 10 s, naming the lost stage."""
+    from swiftspec.parallel import free_tcp_port
+
+    port = free_tcp_port()
+    remote = _remote_stage(target3, port)
+    try:
+        with Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
+                    master_port=port, max_model_len=2048) as eng:
+            assert len(eng.pids) == 1  # stage 1 is not the engine's process
+            assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+        assert remote.wait(timeout=10) == 0  # the engine's close ends the remote stage too
+    finally:
+        remote.kill()
+
+    # the remote stage dies mid-generation: the engine raises, naming it
+    remote = _remote_stage(target3, port)
+    try:
+        eng = Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
+                     master_port=port, max_model_len=2048)
+        pids = eng.pids
+        it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+        next(it)
+        os.killpg(remote.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="stage 1 on host"):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.3)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        remote.kill()
+
+    # stage 0 (the engine's host) dies: the remote stage exits within 10 s, naming it
+    remote = _remote_stage(target3, port)
+    try:
+        eng = Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
+                     master_port=port, max_model_len=2048)
+        it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+        next(it)
+        os.kill(eng.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert remote.wait(timeout=10) == 1
+        assert time.monotonic() - t0 < 10
+        assert "stage 0 on host" in remote.stderr.read()
+        with pytest.raises(WorkerError):
+            for _ in it:
+                pass
+    finally:
+        remote.kill()
+
+
+def test_remote_stage_config_errors():
+    with pytest.raises(ValueError, match="not later stages"):
+        engine.EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[0], master_port=1234)
+    with pytest.raises(ValueError, match="fixed master_port"):
+        engine.EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

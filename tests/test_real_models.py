@@ -93,6 +93,27 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair):
             assert outs[name][ds].logprobs == outs["autoregressive"][ds].logprobs, (name, ds)
 
 
+def test_pipeline_modes_equal_autoregressive_on_six_datasets(pair):
+    """fp32 activations (native GGUF weights), 64 greedy tokens per dataset (first prompt):
+    ``pipedec`` and ``pipeinfer`` with 2 and 3 pipeline stages give exactly the target's own
+    output, and the draft's tokens are used (more than half of the walk steps hit)."""
+    from swiftspec import Engine, SamplingParams
+
+    target, draft = pair
+    prompts = _first_prompts()
+    params = SamplingParams(max_tokens=64)
+    with Engine(target, mode="autoregressive", dtype="float32") as eng:
+        ref = {ds: eng.generate([{"role": "user", "content": p}], params).token_ids for ds, p in prompts.items()}
+    for stages in (2, 3):
+        for mode in ("pipedec", "pipeinfer"):
+            with Engine(target, draft, mode=mode, dtype="float32", pipeline_stages=stages) as eng:
+                for ds, p in prompts.items():
+                    out = eng.generate([{"role": "user", "content": p}], params)
+                    assert out.token_ids == ref[ds], (mode, stages, ds)
+                    hist = out.metrics.accepted_hist
+                    assert hist.get(1, 0) > hist.get(0, 0), (mode, stages, ds, hist)
+
+
 def test_default_pair_answers_sensibly(pair):
     from swiftspec import Engine, SamplingParams
 

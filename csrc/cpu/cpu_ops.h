@@ -23,6 +23,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
                               at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,
                               const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& mask,
-                              double scale);
+                              double scale, const c10::optional<at::Tensor>& slot_positions = c10::nullopt);
 
 }  // namespace swiftspec

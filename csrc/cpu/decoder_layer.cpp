@@ -65,7 +65,8 @@ class NativeDecoderLayer {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                              at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                                              const at::Tensor& positions, const at::Tensor& cos_table,
-                                             const at::Tensor& sin_table, const at::Tensor& mask) const {
+                                             const at::Tensor& sin_table, const at::Tensor& mask,
+                                             const c10::optional<at::Tensor>& slot_positions) const {
     TORCH_CHECK(x.dim() == 2, "NativeDecoderLayer: x must be [n, hidden], got ", x.sizes());
     const auto dtype = x.scalar_type();
     const int64_t n = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -77,7 +78,7 @@ class NativeDecoderLayer {
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
     const at::Tensor attn = tree_attention_cpu(q, k, v, std::move(k_cache), std::move(v_cache), slots, positions,
-                                               cos_table, sin_table, mask, scale_);
+                                               cos_table, sin_table, mask, scale_, slot_positions);
     const at::Tensor o = quant_linear_cpu(attn, o_.parts, o_.types).to(dtype);
     auto [h2, res2] = rms_norm_cpu(o, res, ln2_, eps_);
     const at::Tensor gu = quant_linear_cpu(h2, gate_up_.parts, gate_up_.types);
@@ -115,9 +116,10 @@ None. Raises RuntimeError on inconsistent shapes.)doc")
            py::arg("down_types"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
       .def("forward", &NativeDecoderLayer::forward, py::arg("x"), py::arg("residual"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),
-           py::arg("mask"),
+           py::arg("mask"), py::arg("slot_positions") = py::none(),
            R"doc(x [n, hidden] fp32/bf16, residual [n, hidden] or None, k_cache / v_cache [Hk, C, D] (written at
-slots), slots / positions [n] int64, cos_table / sin_table [P, D] fp32, mask [n, S] bool -> (out, x + residual),
+slots), slots / positions [n] int64, cos_table / sin_table [P, D] fp32, mask [n, S] bool, slot_positions
+[>= S] int64 or None (each cache slot's position; see tree_attention) -> (out, x + residual),
 both [n, hidden] in x's dtype: the layer's output and the residual stream for the next layer.)doc",
            py::call_guard<py::gil_scoped_release>());
 }

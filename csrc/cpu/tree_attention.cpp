@@ -12,8 +12,9 @@
 // barrier.
 //
 // Key positions: a key written by this call (slots[i]) is at positions[i]; any other cache slot j
-// is taken to be at position j (the prefix cache invariant: verified tokens fill slots [0, L) in
-// order). Within a split, keys run by position, then slot. This is what makes verification lossless
+// is at slot_positions[j] when the caller gives them (the KV cache records each slot's position:
+// the pipeline modes keep verified keys in tree slots), else at position j (the prefix cache
+// invariant: verified tokens fill slots [0, L) in order). Within a split, keys run by position, then slot. This is what makes verification lossless
 // bit for bit: a tree node at depth t is verified at slot L + i but position L + t, and after
 // compaction its key sits at slot L + t; splitting by slot would put a key on either side of a
 // split boundary in the tree and in the later one-token decode, and the two merges would round
@@ -122,6 +123,7 @@ struct Problem {
   void* v_cache;        // [Hk, C, D]
   const int64_t* slots;      // [n]
   const int64_t* positions;  // [n]
+  const int64_t* slot_pos;   // [>= S] position of each cache slot not written by this call, or null (slot j at j)
   const float* cos;     // [P, D]
   const float* sin;     // [P, D]
   const bool* mask;     // [n, S]
@@ -165,8 +167,12 @@ struct KeyOrder {
 };
 
 KeyOrder order_keys(const Problem& p, Plan& pl) {
-  // this call's keys as (position, slot), by position then slot (a slot written twice: the last)
+  // this call's keys, and the slots whose position is not their index (slot_pos), as (position, slot),
+  // by position then slot (a slot written twice: the last)
   std::vector<int64_t> call_pos(p.S, -1);
+  if (p.slot_pos != nullptr)
+    for (int64_t j = 0; j < p.S; ++j)
+      if (p.slot_pos[j] >= 0 && p.slot_pos[j] != j) call_pos[j] = p.slot_pos[j];
   for (int64_t i = 0; i < p.n; ++i)
     if (p.slots[i] >= 0 && p.slots[i] < p.S) call_pos[p.slots[i]] = p.positions[i];
   std::vector<std::pair<int64_t, int32_t>> call;
@@ -865,8 +871,17 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
 at::Tensor tree_attention_impl(const at::Tensor& q_in, const at::Tensor& k_new_in, const at::Tensor& v_new_in,
                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in,
                                const at::Tensor& positions_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                               const at::Tensor& mask_in, double scale, Impl impl) {
+                               const at::Tensor& mask_in, double scale, Impl impl,
+                               const c10::optional<at::Tensor>& slot_positions) {
   check_inputs(q_in, k_new_in, v_new_in, k_cache, v_cache, slots_in, positions_in, cos_in, sin_in, mask_in);
+  at::Tensor slot_pos;
+  if (slot_positions.has_value() && slot_positions->defined()) {
+    slot_pos = slot_positions->contiguous();
+    TORCH_CHECK(slot_pos.device().is_cpu() && slot_pos.scalar_type() == at::kLong && slot_pos.dim() == 1 &&
+                    slot_pos.size(0) >= mask_in.size(1),
+                "tree_attention: slot_positions must be int64 [>= S] = [>= ", mask_in.size(1), "], got ",
+                slot_pos.scalar_type(), " ", slot_pos.sizes());
+  }
   const at::Tensor q = q_in.contiguous(), k_new = k_new_in.contiguous(), v_new = v_new_in.contiguous();
   const at::Tensor slots = slots_in.contiguous(), positions = positions_in.contiguous();
   const at::Tensor cos_t = cos_in.contiguous(), sin_t = sin_in.contiguous(), mask = mask_in.contiguous();
@@ -883,6 +898,7 @@ at::Tensor tree_attention_impl(const at::Tensor& q_in, const at::Tensor& k_new_i
   p.scale = static_cast<float>(scale);
   p.slots = slots.data_ptr<int64_t>();
   p.positions = positions.data_ptr<int64_t>();
+  p.slot_pos = slot_pos.defined() ? slot_pos.data_ptr<int64_t>() : nullptr;
   const int64_t P = cos_t.size(0);
   for (int64_t i = 0; i < p.n; ++i) {
     TORCH_CHECK(p.positions[i] >= 0 && p.positions[i] < P, "tree_attention: positions[", i, "] = ", p.positions[i],
@@ -958,7 +974,7 @@ at::Tensor tree_attention_with_impl(const at::Tensor& q, const at::Tensor& k_new
                                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                                     const at::Tensor& positions, const at::Tensor& cos_table,
                                     const at::Tensor& sin_table, const at::Tensor& mask, double scale,
-                                    const std::string& name) {
+                                    const std::string& name, const c10::optional<at::Tensor>& slot_positions) {
   Impl impl;
   if (name == "auto") {
     impl = best_impl();
@@ -973,7 +989,7 @@ at::Tensor tree_attention_with_impl(const at::Tensor& q, const at::Tensor& k_new
     impl = name == "avx512" ? Impl::kAvx512 : Impl::kAvx2;
   }
   return tree_attention_impl(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale,
-                             impl);
+                             impl, slot_positions);
 }
 
 }  // namespace
@@ -981,16 +997,16 @@ at::Tensor tree_attention_with_impl(const at::Tensor& q, const at::Tensor& k_new
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
                               at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,
                               const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& mask,
-                              double scale) {
+                              double scale, const c10::optional<at::Tensor>& slot_positions) {
   return tree_attention_impl(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask, scale,
-                             best_impl());
+                             best_impl(), slot_positions);
 }
 
 void register_tree_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("tree_attention", &tree_attention_cpu, py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),
-        py::arg("mask"), py::arg("scale"),
+        py::arg("mask"), py::arg("scale"), py::arg("slot_positions") = py::none(),
         R"doc(RoPE + KV write + masked split-KV attention, the CPU twin of reference.tree_attention.
 
 q [n, Hq, D]; k_new, v_new [n, Hk, D]; k_cache, v_cache [Hk, C, D] contiguous, written in place
@@ -1000,7 +1016,8 @@ positions); mask [n, S] bool, S <= C (query i sees cache slot j < S iff mask[i, 
 D even (64 and 128 are the tuned sizes). Softmax in fp32 with `scale` applied to q.k; a fully
 masked row returns zeros. Returns [n, Hq * D] in q's dtype. Releases the GIL; parallel over
 (kv head, query tile, key split of 256 positions at fixed boundaries; the key at slots[i] is at
-positions[i], any other slot j at position j) with at::parallel_for. Batch invariant: a row's
+positions[i], any other slot j at slot_positions[j] (int64 [>= S], optional) or else at position
+j) with at::parallel_for. Batch invariant: a row's
 output is bit-identical whatever other rows, S or thread count it runs with, and a tree node equals
 the same token decoded alone after its ancestors' keys are compacted to the slots of their positions.
 Raises RuntimeError on non-CPU tensors, wrong dtypes or shapes, non-contiguous caches, S > C,
@@ -1008,7 +1025,7 @@ positions outside [0, P) or slots >= C.)doc",
         py::call_guard<py::gil_scoped_release>());
   m.def("_tree_attention_impl", &tree_attention_with_impl, py::arg("q"), py::arg("k_new"), py::arg("v_new"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("cos_table"),
-        py::arg("sin_table"), py::arg("mask"), py::arg("scale"), py::arg("impl"),
+        py::arg("sin_table"), py::arg("mask"), py::arg("scale"), py::arg("impl"), py::arg("slot_positions") = py::none(),
         "Test hook: tree_attention with a forced inner kernel ('auto', 'scalar', 'avx2', 'avx512'; see "
         "_tree_attention_impls()). Raises RuntimeError for an impl not compiled in this build.",
         py::call_guard<py::gil_scoped_release>());

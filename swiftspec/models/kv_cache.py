@@ -27,10 +27,19 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.capacity = capacity
         self.buf = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        # the token position of each slot's entry (slot j at j until written otherwise): attention
+        # orders and splits keys by position (csrc/cpu/tree_attention.cpp, "Key positions")
+        self.pos = torch.arange(capacity, device=device)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``."""
-        return self.buf[i, 0], self.buf[i, 1]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, and the slots'
+        positions ``[capacity]`` int64 (shared by all layers)."""
+        return self.buf[i, 0], self.buf[i, 1], self.pos
+
+    def note_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record that ``slots`` (``[n]`` int64, negative = not written) now hold tokens at ``positions``."""
+        keep = slots >= 0
+        self.pos[slots[keep]] = positions[keep].to(self.pos.device)
 
     def move(self, src: list[int] | torch.Tensor, dst: list[int] | torch.Tensor) -> None:
         """Copy slots ``src[j] -> dst[j]`` for every layer, keys and values.
@@ -52,4 +61,6 @@ class KVCache:
         if hi >= self.capacity or int(torch.minimum(src.min(), dst.min())) < 0:
             raise ValueError(f"move: slot out of range [0, {self.capacity})")
         dev = self.buf.device
-        self.buf[:, :, :, dst.to(dev)] = self.buf[:, :, :, src.to(dev)]
+        src, dst = src.to(dev), dst.to(dev)
+        self.buf[:, :, :, dst] = self.buf[:, :, :, src]
+        self.pos[dst] = self.pos[src]

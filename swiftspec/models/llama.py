@@ -65,7 +65,8 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        o = ops.tree_attention(q, k, v, kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, self.scale)
+        o = ops.tree_attention(q, k, v, kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, self.scale,
+                               kv[2] if len(kv) > 2 else None)
         return self.o_proj(o)
 
 
@@ -105,10 +106,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rope, slots, mask, kv):
         """``x [n, hidden]`` (and the residual stream, None before the first layer) -> ``(out, x +
-        residual)``; keys/values land in ``slots`` of ``kv = (k, v)``."""
+        residual)``; keys/values land in ``slots`` of ``kv = (k, v[, slot positions])``."""
         if self.all_native and ops.native_layer_twin(x):
             return self.native_layer().forward(x, residual, kv[0], kv[1], slots, positions, rope.cos, rope.sin,
-                                               mask)
+                                               mask, kv[2] if len(kv) > 2 else None)
         return self.forward_modules(x, residual, positions, rope, slots, mask, kv)
 
     def native_layer(self):
@@ -219,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
         residual)`` for the next stage, or ``(hidden, None)`` after the final norm on the last."""
         if self.first:
             x, residual = self.embed_tokens(x), None
+        kv.note_positions(slots, positions)
         for i in self.stage:
             x, residual = self.layers[i](x, residual, positions, self.rope, slots, mask, kv.layer(i - self.stage.start))
         if self.last:

@@ -261,7 +261,8 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
 
     ``qkv``, ``o``, ``gate_up``, ``down``: :class:`swiftspec.layers.gguf.GGUFWeight` (their parts
     are referenced, not copied). Its ``forward(x [n, H], residual [n, H] | None, k_cache, v_cache,
-    slots, positions, cos_table, sin_table, mask)`` returns ``(out, x + residual)`` in x's dtype.
+    slots, positions, cos_table, sin_table, mask, slot_positions=None)`` returns ``(out, x + residual)``
+    in x's dtype (``slot_positions``: see :func:`tree_attention`).
     Use it only where :func:`native_layer_twin` holds. Raises RuntimeError on inconsistent shapes.
     """
     blocks = []
@@ -272,15 +273,18 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
 
 
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
-                   scale: float) -> torch.Tensor:
+                   scale: float, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see
     :func:`reference.tree_attention` for shapes, dtypes and semantics (negative slots are not
-    written; fully masked rows give zeros)."""
+    written; fully masked rows give zeros). ``slot_positions`` (``[>= S]`` int64, the KV cache's
+    record of each slot's position) lets the CPU twin order and split the keys by their true
+    positions where cache slots hold keys of other positions (the pipeline modes); the PyTorch
+    path attends row by row in slot order, which is position order along every tree path."""
     b = backend(q)
     args = (q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_cache, v_cache, slots, positions,
             cos_table, sin_table, mask.contiguous(), float(scale))
     if b == "cpu" and _cpu_twin("tree_attention"):
-        return _cpu_module().tree_attention(*args)
+        return _cpu_module().tree_attention(*args, slot_positions)
     if b == "cuda":
         return _cuda_module().tree_attention(*args)
     return _torch_tree_attention(*args)
