@@ -80,12 +80,14 @@ class _Batch:
 @dataclass
 class PipelineStats(TargetStats):
     """``TargetStats`` (one entry of ``accepted`` per verification walk step: 1 = hit) plus the
-    pipeline's counters: timesteps, nodes issued to stage 0, rows pruned before reaching the last stage,
+    pipeline's counters: timesteps, nodes issued to stage 0, rows pruned (and micro-batches
+    cancelled whole) before reaching the last stage,
     rows in flight when the request ended, voluntary flushes (tree slots exhausted), stage stats."""
 
     timesteps: int = 0
     issued: int = 0
     pruned: int = 0
+    cancelled: int = 0  # micro-batches (PipeInfer's runs) dropped whole before the last stage
     drained: int = 0
     flushes: int = 0
     stages: list[dict] = field(default_factory=list)
@@ -138,6 +140,7 @@ class PipelineDecoder:
                 w = Work(0 if s == 0 else in_rows, keep, b.positions, b.slots, b.mask, b.tokens if s == 0 else None)
                 if not b.rows:
                     in_pipe[s] = None
+                    st.cancelled += 1
                 elif s == S - 1:  # the prompt's last row, else every row (the walk may use them all)
                     w.logit_rows = [n - 1] if b is prompt else list(range(len(b.rows)))
                 work.append(w)

@@ -107,7 +107,8 @@ def lead(spec, engine: Connection) -> None:
             except RuntimeError as e:  # a gloo call failed: name the stage that is gone, if it is
                 raise RuntimeError(beat.lost() or str(e)) from e
             stats = {role: r.stats() for role, r in runners.items()}
-            stats[ROLE_TARGET].update(timesteps=st.timesteps, issued=st.issued, pruned=st.pruned, drained=st.drained,
+            stats[ROLE_TARGET].update(timesteps=st.timesteps, issued=st.issued, pruned=st.pruned,
+                                      cancelled=st.cancelled, drained=st.drained,
                                       flushes=st.flushes, stages=st.stages, wall_s=time.perf_counter() - t0)
             engine.send(("done", spec.kind, st, stats))
     finally:

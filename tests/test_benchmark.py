@@ -85,6 +85,22 @@ def test_tables_and_chart(tmp_path):
     assert out.startswith("`swiftspec bench --num-prompts 1` on ") and md in out
 
 
+def test_pipeline_table():
+    from types import SimpleNamespace
+
+    from swiftspec.benchmark.e2e import _pipeline_record
+
+    stage = {"busy_s": 0.5}
+    m = SimpleNamespace(prompt_tokens=10, draft={"busy_s": 0.25}, target={
+        "stages": [stage, {"busy_s": 0.75}], "wall_s": 1.0, "timesteps": 40, "issued": 50, "pruned": 7,
+        "cancelled": 2, "forward_tokens": 60})
+    rec = _pipeline_record(m)["pipeline"]
+    assert rec["stage_busy"] == [0.5, 0.75] and rec["draft_busy"] == 0.25 and rec["recomputed_kv"] == 0
+    recs = [{**_rec("pipeinfer", "qa", 20.0), "pipeline": rec}, _rec("autoregressive", "qa", 10.0)]
+    assert "| pipeinfer | 1.62 | 50 | 7 | 2 | 50% / 75% | 25% | 0 |" in markdown(recs)
+    assert _pipeline_record(SimpleNamespace(target={})) == {} and "Pipeline modes" not in markdown(recs[1:])
+
+
 def test_profile_keeps_defaults_unless_clearly_faster():
     from swiftspec.benchmark.profile import candidate_splits, choose, d_candidates
 

@@ -382,6 +382,7 @@ def _pipeline_record(m) -> dict:
         return {}
     wall = t["wall_s"] or float("nan")
     return {"pipeline": {"timesteps": t["timesteps"], "issued": t["issued"], "pruned": t["pruned"],
+                         "cancelled": t["cancelled"],
                          "stage_busy": [s["busy_s"] / wall for s in t["stages"]],
                          "draft_busy": m.draft.get("busy_s", 0.0) / wall,
                          "recomputed_kv": t["forward_tokens"] - m.prompt_tokens - t["issued"]}}
@@ -393,14 +394,15 @@ def pipeline_table(records: list[dict]) -> str:
     systems = list(dict.fromkeys(r["system"] for r in records if "pipeline" in r))
     if not systems:
         return ""
-    lines = ["| system | tokens per timestep | nodes issued | pruned mid-pipeline | stage busy | draft busy | "
-             "KV recomputed |", "|---|---|---|---|---|---|---|"]
+    lines = ["| system | tokens per timestep | nodes issued | nodes pruned mid-pipeline | runs cancelled mid-pipeline "
+             "| stage busy | draft busy | KV recomputed |", "|---|---|---|---|---|---|---|---|"]
     for s in systems:
         ps = [r["pipeline"] for r in records if r["system"] == s]
         steps = sum(p["timesteps"] for p in ps)
         toks = sum(r["num_tokens"] for r in records if r["system"] == s)
         busy = [statistics.mean(p["stage_busy"][k] for p in ps) for k in range(len(ps[0]["stage_busy"]))]
         lines.append(f"| {s} | {toks / steps:.2f} | {sum(p['issued'] for p in ps)} | {sum(p['pruned'] for p in ps)} | "
+                     f"{sum(p.get('cancelled', 0) for p in ps)} | "
                      + " / ".join(f"{b:.0%}" for b in busy) + f" | {statistics.mean(p['draft_busy'] for p in ps):.0%} | "
                      f"{sum(p['recomputed_kv'] for p in ps)} |")
     return "\n".join(lines)
