@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -35,6 +36,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="use the compiled kernels (CPU twins / CUDA) where available (default: on)")
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
 
 
 def _int_list(s: str) -> list[int]:
@@ -155,10 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
 
     w = sub.add_parser("worker", help="one pipeline stage of an engine whose stage 0 runs on another host")
-    w.add_argument("--stage", type=int, required=True, help="this stage's index (1 .. stages-1)")
-    w.add_argument("--stages", type=int, required=True, help="the pipeline's length (the engine's pipeline_stages)")
-    w.add_argument("--master-addr", required=True, help="host of stage 0 (the engine)")
-    w.add_argument("--master-port", type=int, required=True, help="the engine's master_port")
+    env = os.environ  # torchrun's variables, where it launched us
+    w.add_argument("--stage", type=int, default=_env_int("RANK"), required="RANK" not in env,
+                   help="this stage's index, 1 .. stages-1 (default: $RANK)")
+    w.add_argument("--stages", type=int, default=_env_int("WORLD_SIZE"), required="WORLD_SIZE" not in env,
+                   help="the pipeline's length, the engine's pipeline_stages (default: $WORLD_SIZE)")
+    w.add_argument("--master-addr", default=env.get("MASTER_ADDR"), required="MASTER_ADDR" not in env,
+                   help="host of stage 0, the engine (default: $MASTER_ADDR)")
+    w.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"), required="MASTER_PORT" not in env,
+                   help="the engine's master_port (default: $MASTER_PORT)")
     w.add_argument("--target", help="this host's copy of the target model (default: the default pair's); "
                                     "its files must hash like stage 0's")
     w.add_argument("--cores", type=_int_list, help="comma-separated CPU cores (default: all this process may use)")

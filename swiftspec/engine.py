@@ -125,6 +125,8 @@ class EngineConfig:
         pipeline_stages: split the target's layers into this many pipeline stages (balanced by
             weight bytes; one process each, ``target_cores + draft_cores`` split among them);
             1 (default) = no pipeline. "auto" mode with 2 or more runs "pipedec". CPU only.
+        pipeline_order: pipedec's micro-batches: "layer" (default: PipeDec, the next tree layer)
+            or "score" (FlowSpec's score-based ordering: the best candidates of any depth first).
         remote_stages: pipeline stages that run on other hosts, each started there with
             ``swiftspec worker --stage K --stages S --master-addr A --master-port P --target
             MODEL``; the engine starts the others. master_addr / master_port: where stage 0
@@ -184,6 +186,7 @@ class EngineConfig:
     d: int | None = None
     max_model_len: int = 4096
     pipeline_stages: int = 1
+    pipeline_order: str = "layer"
     remote_stages: list[int] = field(default_factory=list)
     master_addr: str = "127.0.0.1"
     master_port: int = 0
@@ -214,6 +217,8 @@ class EngineConfig:
                              f"{PIPELINE_MODES} need pipeline_stages >= 2, the others 1")
         if self.pipeline_stages > 1 and (self.target_tp > 1 or self.draft_tp > 1):
             raise ValueError("pipeline stages run at TP = 1 (one process per stage)")
+        if self.pipeline_order not in ("layer", "score"):
+            raise ValueError(f"pipeline_order must be 'layer' or 'score', got {self.pipeline_order!r}")
         bad = [k for k in self.remote_stages if not 1 <= k < self.pipeline_stages]
         if bad:
             raise ValueError(f"remote_stages {bad} are not later stages of {self.pipeline_stages} (stage 0 runs here)")
@@ -475,7 +480,8 @@ class Engine:
                                   draft_quant=draft_quant,
                                   kernels=self.config.kernels, weights=self.config.weights,
                                   tokenizer_file=tok_file, stages=len(layout) if pipelined else 1,
-                                  stage_layers=stage_layers, master_addr=self.config.master_addr,
+                                  stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
+                                  master_addr=self.config.master_addr,
                                   start_timeout_s=self.config.start_timeout_s)
                 parent, child = ctx.Pipe()
                 if j == 0:

@@ -103,23 +103,31 @@ class PipelineDecoder:
         width: pipedec: nodes per tree layer; pipeinfer: tokens per speculative run.
         topk: pipedec: children proposed per node.
         capacity: KV slots of every cache (target stages and draft).
+        order: pipedec: "layer" (PipeDec: each micro-batch is the next tree layer) or "score"
+            (FlowSpec §3's score-based ordering: the ``width`` best candidates of any depth not
+            yet issued enter first, so the tree grows where the draft's probability mass is).
     Raises:
         ValueError: unknown mode, or a speculative mode without a draft.
     """
 
-    def __init__(self, pipe: PipelineLeader, draft, mode: str, width: int = 2, topk: int = 2, capacity: int = 4096):
+    def __init__(self, pipe: PipelineLeader, draft, mode: str, width: int = 2, topk: int = 2, capacity: int = 4096,
+                 order: str = "layer"):
         if mode not in ("pipedec", "pipeinfer", "pipeline-autoregressive"):
             raise ValueError(f"unknown pipeline mode {mode!r}")
+        if order not in ("layer", "score"):
+            raise ValueError(f"order must be 'layer' or 'score', got {order!r}")
         if (draft is None) != (mode == "pipeline-autoregressive"):
             raise ValueError(f"{mode} needs {'a' if draft is None else 'no'} draft model")
-        self.pipe, self.draft, self.mode = pipe, draft, mode
+        self.pipe, self.draft, self.mode, self.order = pipe, draft, mode, order
         self.width, self.topk, self.capacity = width, topk, capacity
+        self.pool: list[tuple[float, int, int]] = []  # score order: candidates not yet issued
 
     def run(self, req: Request, emit, stop: StopChecker | None = None) -> PipelineStats:
         sampler, stop, st = Sampler(req.params), stop or StopChecker(req), PipelineStats()
         S, n = self.pipe.stages, len(req.prompt_ids)
         self.nodes: list[_Node] = []
         self.alive: set[int] = set()
+        self.pool = []
         self.base = self.next_slot = n  # verified tokens sit in slots [0, base)
         ids, pos = torch.tensor(req.prompt_ids), torch.arange(n)
         prompt = _Batch([PROMPT_ROW] * n, pos, pos.clone(), torch.ones(n, n, dtype=torch.bool).tril(), ids)
@@ -163,7 +171,7 @@ class PipelineDecoder:
             if self.frontier != PROMPT_ROW:
                 moves = self._compact(self.frontier)
             last_pos = n - 1 if self.frontier == PROMPT_ROW else self.nodes[self.frontier].pos
-            self.alive = set()
+            self.alive, self.pool = set(), []
             self.frontier = self._new_node(bonus, last_pos + 1, 0.0, -1)
             issue = self._batch([self.frontier])
         st.reason = stop.reason
@@ -178,6 +186,8 @@ class PipelineDecoder:
         are in this micro-batch. Returns the bonus token of a miss, or None when the walk ended
         on a child still in flight (the new frontier) or the request stopped."""
         at = {r: i for i, r in enumerate(rows)}
+        if self.frontier != PROMPT_ROW and self.frontier not in at:  # alive nodes all descend from it
+            raise RuntimeError(f"pipeline: logits of {rows} arrived before the frontier {self.frontier}'s")
         while True:
             row = logits[0 if self.frontier == PROMPT_ROW else at[self.frontier]]
             x = sampler.sample(row)
@@ -240,13 +250,18 @@ class PipelineDecoder:
 
     def _issue(self, proposal) -> _Batch | None:
         """The next micro-batch: pipedec: the ``width`` best candidates whose parent is still in
-        the tree, as new nodes; pipeinfer: the drafted run if it is still alive."""
-        if not proposal:
+        the tree (of the newest layer, or of any depth in score order), as new nodes; pipeinfer:
+        the drafted run if it is still alive."""
+        proposal = proposal or []
+        if not proposal and not self.pool:
             return None
         if self.mode == "pipeinfer":
             run = [i for i in proposal if i in self.alive]
             return self._batch(run) if run else None
-        live = sorted((c for c in proposal if c[1] in self.alive), key=lambda c: -c[0])[:self.width]
+        if self.order == "score":  # every candidate not yet issued competes, whatever its depth
+            proposal, self.pool = self.pool + proposal, []
+        ranked = sorted((c for c in proposal if c[1] in self.alive), key=lambda c: -c[0])
+        live, self.pool = ranked[:self.width], ranked[self.width:] if self.order == "score" else []
         if not live:
             return None
         return self._batch([self._new_node(tok, self.nodes[p].pos + 1, lp, p) for lp, p, tok in live])

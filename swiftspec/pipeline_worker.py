@@ -88,7 +88,8 @@ def lead(spec, engine: Connection) -> None:
     engine.send(("ready", os.getpid()))
     target = runners[ROLE_TARGET]
     pipe = PipelineLeader(Stage(target, LEADER, spec.stages))
-    loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity)
+    loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity,
+                           spec.pipeline_order)
     decode = _decoder(spec.tokenizer_file)
     try:
         while True:

@@ -35,7 +35,8 @@ class WorkerSpec:
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
         stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
             decoder layers ``(start, stop)`` of every stage (the leader's plan); master_addr: the
-            rendezvous host (``port`` its port); start_timeout_s: how long to wait for the stages.
+            rendezvous host (``port`` its port); start_timeout_s: how long to wait for the stages;
+            pipeline_order: pipedec's "layer" or "score" order (:mod:`swiftspec.pipeline_decode`).
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.placement`); it also picks the collective backend.
@@ -68,6 +69,7 @@ class WorkerSpec:
     tokenizer_file: str | None = None
     stages: int = 1
     stage_layers: list[tuple[int, int]] | None = None
+    pipeline_order: str = "layer"
     master_addr: str = "127.0.0.1"
     start_timeout_s: float = 600.0
 

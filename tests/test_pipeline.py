@@ -76,6 +76,8 @@ def test_staged_forward_equals_whole_model(target3, cuts):
 
 
 def test_pipeline_config_errors():
+    with pytest.raises(ValueError, match="pipeline_order"):
+        engine.EngineConfig(mode="pipedec", pipeline_stages=2, pipeline_order="depth")
     with pytest.raises(ValueError, match="need pipeline_stages >= 2"):
         engine.EngineConfig(mode="pipedec")
     with pytest.raises(ValueError, match="need pipeline_stages >= 2"):
@@ -93,8 +95,8 @@ def test_pipeline_modes_equal_autoregressive(target3, draft3, reference, stages)
         t = out.metrics.target
         assert t["timesteps"] == stages * 40 and t["pruned"] == 0  # one token crosses every stage in turn
         assert [s["layers"] for s in t["stages"]] == [[r.start, r.stop] for r in partition_layers([1] * 3, stages, 1)]
-    for mode in ("pipedec", "pipeinfer"):
-        with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=stages, w=3, topk=2) as eng:
+    for mode, extra in (("pipedec", {}), ("pipedec", {"pipeline_order": "score"}), ("pipeinfer", {})):
+        with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=stages, w=3, topk=2, **extra) as eng:
             for _ in range(2):  # a second request on the same stages (their KV is simply overwritten)
                 out = eng.generate(PROMPT, GREEDY)
                 assert out.token_ids == reference.token_ids, mode
@@ -119,8 +121,8 @@ def test_identical_draft_hits_every_node(target3, reference, mode, steps):
     assert out.metrics.target["timesteps"] == steps
 
 
-@pytest.mark.parametrize("mode", ["pipedec", "pipeinfer"])
-def test_sampling_follows_target_distribution(target3, draft3, mode):
+@pytest.mark.parametrize("mode,order", [("pipedec", "layer"), ("pipedec", "score"), ("pipeinfer", "layer")])
+def test_sampling_follows_target_distribution(target3, draft3, mode, order):
     """Joint distribution of the first three sampled tokens against the exact target
     distribution (chi-square), with a draft that often proposes the sampled token."""
     from scipy.stats import chisquare
@@ -129,7 +131,8 @@ def test_sampling_follows_target_distribution(target3, draft3, mode):
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     model = load_model(target3)
-    with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=2, w=3, topk=3) as eng:
+    with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=2, w=3, topk=3,
+                pipeline_order=order) as eng:
         prompt = eng.encode(PROMPT)
 
         def dist(ids):
