@@ -296,5 +296,12 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     for system, label in (("swiftspec-profiled", "SwiftSpec `serial`, bs 2, d 1"), ("autoregressive", "our `autoregressive`"),
                           ("llama-cpp", "llama.cpp on the same GGUF")):
         assert any(line.startswith(f"| {label}") and f"| {rows19[system]} |" in line for line in readme.splitlines()), system
+    rows20 = {}
+    for line in out["run20-zen5-pipeline-2stages.json"].splitlines():
+        if line.startswith("| "):
+            rows20.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
+    for system in ("pipeline-autoregressive", "pipedec", "pipeinfer"):
+        assert any(line.startswith(f"| `{system}`") and f"| {rows20[system]} |" in line
+                   for line in readme.splitlines()), system
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
