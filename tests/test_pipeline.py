@@ -125,39 +125,19 @@ def test_identical_draft_hits_every_node(target3, reference, mode, steps):
 def test_sampling_follows_target_distribution(target3, draft3, mode, order):
     """Joint distribution of the first three sampled tokens against the exact target
     distribution (chi-square), with a draft that often proposes the sampled token."""
-    from scipy.stats import chisquare
-
-    from swiftspec.sampling import Sampler
+    from distributions import chi_square_pvalue, exact_first_tokens
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
-    model = load_model(target3)
     with Engine(target3, draft3, mode=mode, dtype="float32", pipeline_stages=2, w=3, topk=3,
                 pipeline_order=order) as eng:
         prompt = eng.encode(PROMPT)
-
-        def dist(ids):
-            n = len(ids)
-            pos = torch.arange(n)
-            h = model(torch.tensor(ids), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), model.make_kv_cache(64))
-            return Sampler(SamplingParams(**params)).probs(model.compute_logits(h[-1:])[0])
-
-        exact = {}
-        p0 = dist(prompt)
-        for a in p0.nonzero().flatten().tolist():
-            p1 = dist(prompt + [a])
-            for b in p1.nonzero().flatten().tolist():
-                p2 = dist(prompt + [a, b])
-                for c in p2.nonzero().flatten().tolist():
-                    exact[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
+        exact = exact_first_tokens(load_model(target3), prompt, params)
         n, counts, hits = 600, Counter(), 0
         for seed in range(n):
             out = eng.generate(prompt, SamplingParams(**params, seed=seed))
             counts[tuple(out.token_ids)] += 1
             hits += out.metrics.accepted_hist.get(1, 0)
-    assert set(counts) <= set(exact)
-    keys = sorted(exact)
-    total = sum(exact.values())
-    assert chisquare([counts[k] for k in keys], [exact[k] / total * n for k in keys]).pvalue > 1e-3
+    assert chi_square_pvalue(counts, exact) > 1e-3
     assert hits > n // 5, "sampled tokens must often be found in the tree"
 
 
@@ -203,13 +183,9 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
         remote.kill()
 
     # the remote stage dies mid-generation: the engine raises, naming it
-    remote = _remote_stage(target3, port)
+    remote, eng, it = _remote_pair_streaming(target3, draft3, port)
     try:
-        eng = Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
-                     master_port=port, max_model_len=2048)
         pids = eng.pids
-        it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
-        next(it)
         os.killpg(remote.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="stage 1 on host"):
@@ -222,12 +198,8 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
         remote.kill()
 
     # stage 0 (the engine's host) dies: the remote stage exits within 10 s, naming it
-    remote = _remote_stage(target3, port)
+    remote, eng, it = _remote_pair_streaming(target3, draft3, port)
     try:
-        eng = Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
-                     master_port=port, max_model_len=2048)
-        it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
-        next(it)
         os.kill(eng.pids[0], signal.SIGKILL)
         t0 = time.monotonic()
         assert remote.wait(timeout=10) == 1
@@ -238,6 +210,16 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
                 pass
     finally:
         remote.kill()
+
+
+def _remote_pair_streaming(target, draft, port: int):
+    """A remote stage 1, the engine with stage 0, and a long stream that has started."""
+    remote = _remote_stage(target, port)
+    eng = Engine(target, draft, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
+                 master_port=port, max_model_len=2048)
+    it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+    next(it)
+    return remote, eng, it
 
 
 def test_remote_stage_config_errors():

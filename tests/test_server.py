@@ -266,8 +266,18 @@ def test_sigterm_shuts_down_without_leftovers(tiny_dir, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
     assert "Application shutdown complete" in proc.stdout.read()
-    for pid in children:
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    def gone(pid):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return "zombie" in f.read().lower()
+        except FileNotFoundError:
+            return True
+
+    # children orphaned by the exit (multiprocessing's resource tracker) finish on their own: allow them a moment
+    deadline = time.time() + 10
+    while not all(gone(p) for p in children) and time.time() < deadline:
+        time.sleep(0.1)
+    assert all(gone(p) for p in children), [p for p in children if not gone(p)]
 
 
 def _bench_module(name: str):
