@@ -62,11 +62,12 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
     ops.set_kernels(plan.kernels)
     dtype = getattr(torch, plan.dtype)
     cap = capacity(plan.max_model_len, plan.width, stages)
+    # verified keys stay in tree slots between misses: the caches record each slot's position
     runners = {ROLE_TARGET: ModelRunner(target, LOCAL, dtype, cap, weights=plan.weights,
-                                        stage=range(*plan.layers[rank]))}
+                                        stage=range(*plan.layers[rank]), track_positions=True)}
     if draft is not None:
         runners[ROLE_DRAFT] = ModelRunner(draft, LOCAL, dtype, cap, quant=draft_quant, logits_vocab=draft_vocab,
-                                          weights=plan.weights)
+                                          weights=plan.weights, track_positions=True)
     import torch.distributed as dist
 
     dist.barrier()  # every stage loaded

@@ -28,6 +28,8 @@ class ModelRunner:
         weights: "native" (GGUF blocks kept), "bfloat16" or "float32" (see :func:`load_model`);
             ``quant`` applies to the layers that run float weights.
         stage: only these decoder layers (a pipeline stage; :meth:`forward_stage`), default all.
+        track_positions: the KV cache records each slot's position (caches that keep verified
+            keys in tree slots: the pipeline modes; see :class:`swiftspec.models.kv_cache.KVCache`).
         device: where the weights, the KV cache and the step inputs live (the caller sets the
             current CUDA device first). The scheduler's tensors are built on the host; each
             forward moves them here and its logits back.
@@ -35,7 +37,8 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
-                 weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None):
+                 weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None,
+                 track_positions: bool = False):
         self.device = torch.device(device)
         # tree nodes sit up to one tree depth past the cache slots they are stored in
         self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights,
@@ -46,7 +49,7 @@ class ModelRunner:
             raise ValueError(f"unknown quantization {quant!r}; use 'int8' or None")
         self.logits_vocab = logits_vocab
         self.cfg = self.model.cfg
-        self.kv = self.model.make_kv_cache(capacity, self.device)
+        self.kv = self.model.make_kv_cache(capacity, self.device, track_positions)
         self.capacity = capacity
         self.busy_s = 0.0
         self.forward_tokens = 0

@@ -24,20 +24,27 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", track_positions: bool = False):
         self.capacity = capacity
         self.buf = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        # the token position of each slot's entry (slot j at j until written otherwise): attention
-        # orders and splits keys by position (csrc/cpu/tree_attention.cpp, "Key positions")
-        self.pos = torch.arange(capacity, device=device)
+        # with track_positions, the token position of each slot's entry (slot j at j until written
+        # otherwise), for caches that keep verified keys in tree slots (the pipeline modes):
+        # attention orders and splits keys by position (csrc/cpu/tree_attention.cpp, "Key positions").
+        # Without, verified keys sit at the slots of their positions (the re-root's compaction).
+        self.pos = torch.arange(capacity, device=device) if track_positions else None
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, and the slots'
-        positions ``[capacity]`` int64 (shared by all layers)."""
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, followed by the
+        slots' positions ``[capacity]`` int64 (shared by all layers) when they are tracked."""
+        if self.pos is None:
+            return self.buf[i, 0], self.buf[i, 1]
         return self.buf[i, 0], self.buf[i, 1], self.pos
 
     def note_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Record that ``slots`` (``[n]`` int64, negative = not written) now hold tokens at ``positions``."""
+        """Record that ``slots`` (``[n]`` int64, negative = not written) now hold tokens at
+        ``positions`` (a no-op unless positions are tracked)."""
+        if self.pos is None:
+            return
         keep = slots >= 0
         self.pos[slots[keep]] = positions[keep].to(self.pos.device)
 
@@ -63,4 +70,5 @@ class KVCache:
         dev = self.buf.device
         src, dst = src.to(dev), dst.to(dev)
         self.buf[:, :, :, dst] = self.buf[:, :, :, src]
-        self.pos[dst] = self.pos[src]
+        if self.pos is not None:
+            self.pos[dst] = self.pos[src]

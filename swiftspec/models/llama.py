@@ -197,9 +197,11 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank stores (padded / replicated ones included): the KV cache's dim 2."""
         return self.layers[self.stage.start].self_attn.num_kv_heads
 
-    def make_kv_cache(self, capacity: int, device: torch.device | str = "cpu") -> KVCache:
-        """A zeroed KV cache for this rank's layers (its stage's) with ``capacity`` token slots on ``device``."""
-        return KVCache(len(self.stage), self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype, device)
+    def make_kv_cache(self, capacity: int, device: torch.device | str = "cpu", track_positions: bool = False) -> KVCache:
+        """A zeroed KV cache for this rank's layers (its stage's) with ``capacity`` token slots on
+        ``device`` (``track_positions``: see :class:`KVCache`)."""
+        return KVCache(len(self.stage), self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype, device,
+                       track_positions)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
