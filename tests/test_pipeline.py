@@ -168,7 +168,8 @@ def _remote_stage(target, port: int):
 
 def test_two_hosts_joined_over_tcp(target3, draft3, reference):
     """Stage 1 in its own process tree joins stage 0 by TCP rendezvous; the output is unchanged;
-    killing either side makes the other raise (or exit) within 10 s, naming the lost stage."""
+    killing either side, or freezing the remote one (a host gone without closing its sockets),
+    makes the other raise (or exit) within 10 s, naming the lost stage; no process is left."""
     from swiftspec.parallel import free_tcp_port
 
     port = free_tcp_port()
@@ -189,6 +190,21 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
         os.killpg(remote.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="stage 1 on host"):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.3)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        remote.kill()
+
+    # the remote host "goes away" (frozen: its sockets stay open, nothing arrives): its heartbeat stops
+    remote, eng, it = _remote_pair_streaming(target3, draft3, port)
+    try:
+        pids = eng.pids
+        os.killpg(remote.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="stage 1 on host .* stopped responding"):
             for _ in it:
                 pass
         assert time.monotonic() - t0 < 10
