@@ -13,9 +13,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                                      "(default: the Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
     p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
     p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
-    p.add_argument("--mode", choices=["auto", "async", "serial", "autoregressive"], default=None,
+    p.add_argument("--mode", choices=["auto", "async", "serial", "autoregressive", "pipedec", "pipeinfer",
+                                      "pipeline-autoregressive"], default=None,
                    help="auto = the fastest for this machine (default), async = SwiftSpec, serial = "
-                        "SwiftSpec-base, autoregressive = target only")
+                        "SwiftSpec-base, autoregressive = target only; with --pipeline-stages: pipedec, "
+                        "pipeinfer, pipeline-autoregressive")
+    p.add_argument("--pipeline-stages", type=int, help="split the target's layers into this many pipeline stages")
+    p.add_argument("--pipeline-order", choices=["layer", "score"], help="pipedec's micro-batches (default layer)")
+    p.add_argument("--remote-stages", type=_int_list, help="pipeline stages started on other hosts by "
+                                                            "`swiftspec worker` (needs --master-port)")
+    p.add_argument("--master-addr", help="this host's address for the pipeline rendezvous (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, help="the pipeline rendezvous port")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default=None,
                    help="activations, and weights that run dequantized (auto: bfloat16 where the CPU has native bf16)")
     p.add_argument("--weights", choices=["native", "bfloat16", "float32"], default=None,
@@ -52,7 +60,8 @@ def _int_list(s: str) -> list[int]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
-            "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels"]
+            "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels", "pipeline_stages", "pipeline_order",
+            "remote_stages", "master_addr", "master_port"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -162,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="one pipeline stage of an engine whose stage 0 runs on another host")
     env = os.environ  # torchrun's variables, where it launched us
-    w.add_argument("--stage", type=int, default=_env_int("RANK"), required="RANK" not in env,
-                   help="this stage's index, 1 .. stages-1 (default: $RANK)")
-    w.add_argument("--stages", type=int, default=_env_int("WORLD_SIZE"), required="WORLD_SIZE" not in env,
+    w.add_argument("--stage", "--node-rank", type=int, default=_env_int("RANK"), required="RANK" not in env,
+                   help="this stage's index, 1 .. stages-1 (one stage per host; default: $RANK)")
+    w.add_argument("--stages", "--nnodes", type=int, default=_env_int("WORLD_SIZE"), required="WORLD_SIZE" not in env,
                    help="the pipeline's length, the engine's pipeline_stages (default: $WORLD_SIZE)")
     w.add_argument("--master-addr", default=env.get("MASTER_ADDR"), required="MASTER_ADDR" not in env,
                    help="host of stage 0, the engine (default: $MASTER_ADDR)")

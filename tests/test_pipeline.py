@@ -2,6 +2,7 @@
 layer split, a staged forward bit-identical to the whole model, greedy output of pipedec and
 pipeinfer equal to autoregressive with 2 and 3 stages, the sampled distribution, pruning and
 cancellation without recomputation, a dying stage."""
+import json
 import os
 import signal
 import subprocess
@@ -255,3 +256,13 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_cli_generate_in_a_pipeline_mode(target3, draft3, reference):
+    out = subprocess.run([sys.executable, "-m", "swiftspec", "generate", "--target", str(target3), "--draft",
+                          str(draft3), "--mode", "pipeinfer", "--pipeline-stages", "2", "--dtype", "float32",
+                          "--no-chat", "--prompt", PROMPT, "--max-tokens", "40", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["mode"] == "pipeinfer" and res["token_ids"] == reference.token_ids
