@@ -382,10 +382,12 @@ class Heartbeat:
                     v = self.store.get(f"hb/{r}") if self.store.check([f"hb/{r}"]) else None
                     if v != last:
                         seen[r] = (v, now)
-                    elif now - since > self.limit:
+                    elif now - since > self.limit and not self._stop.is_set():
                         self._report(f"{self._name(r)} stopped responding (no heartbeat for {self.limit:.0f} s)")
                         return
             except Exception as e:  # the store lives in the leader's process
+                if self._stop.is_set():  # the pipeline ended normally while we were asking
+                    return
                 if self.rank == LEADER:
                     self._report(f"pipeline heartbeat store failed: {e}")
                 else:
