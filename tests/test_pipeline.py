@@ -253,3 +253,13 @@ def test_cli_generate_in_a_pipeline_mode(target3, draft3, reference):
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["mode"] == "pipeinfer" and res["token_ids"] == reference.token_ids
+
+
+def test_tree_slots_exhausted_flush_stays_lossless(target3, reference):
+    """A short context fills the tree slots before any miss: the decoder restarts from the verified
+    prefix (a flush, compacting its KV) and the output is still the target's."""
+    with Engine(target3, target3, mode="pipedec", dtype="float32", pipeline_stages=2, w=2, topk=2,
+                draft_quant="none", max_model_len=64) as eng:
+        out = eng.generate(PROMPT, GREEDY)
+    assert out.token_ids == reference.token_ids[:len(out.token_ids)] and len(out.token_ids) == 40
+    assert out.metrics.target["flushes"] > 0
