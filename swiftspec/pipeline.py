@@ -300,8 +300,11 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
 
 def model_digest(model_dir: str | Path) -> str:
     """sha256 over a model directory's config.json and weight files (contents), so stages on
-    other hosts can check that they hold the same model; cached beside the files per (size,
-    mtime) in ``.swiftspec-digest.json`` when the directory is writable."""
+    other hosts can check that they hold the same model; each file's hash is cached beside the
+    files per (size, mtime) in ``.swiftspec-digest.json`` when the directory is writable."""
+    from swiftspec.default_pair import sha256_file
+    from swiftspec.model_cache import atomic_write_text
+
     root = Path(model_dir)
     files = [root / "config.json"] + sorted(root.glob("*.safetensors")) + sorted(root.glob("native/*.safetensors"))
     cache_file = root / ".swiftspec-digest.json"
@@ -311,22 +314,14 @@ def model_digest(model_dir: str | Path) -> str:
         cache = {}
     total, changed = hashlib.sha256(), False
     for f in files:
-        st = f.stat()
-        key = str(f.relative_to(root))
-        entry = cache.get(key)
-        if not entry or entry[:2] != [st.st_size, st.st_mtime_ns]:
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(chunk)
-            cache[key], changed = [st.st_size, st.st_mtime_ns, h.hexdigest()], True
+        st, key = f.stat(), str(f.relative_to(root))
+        if cache.get(key, [])[:2] != [st.st_size, st.st_mtime_ns]:
+            cache[key], changed = [st.st_size, st.st_mtime_ns, sha256_file(f)], True
         total.update(f"{key}:{cache[key][2]}\n".encode())
     if changed:
         try:
-            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, cache_file)
-        except OSError:
+            atomic_write_text(cache_file, json.dumps(cache))
+        except OSError:  # a read-only model directory: hash again next time
             pass
     return total.hexdigest()
 

@@ -58,6 +58,19 @@ def test_checkpoint_layer_bytes(target3):
     assert head == model.embed_tokens.weight.numel() * 4  # tied: the LM head reads the embedding
 
 
+def test_model_digest(target3, tmp_path):
+    import shutil
+
+    from swiftspec.pipeline import model_digest
+
+    copy = shutil.copytree(target3, tmp_path / "copy")
+    first = model_digest(copy)
+    assert (copy / ".swiftspec-digest.json").is_file() and model_digest(copy) == first  # cached
+    cfg = (copy / "config.json").read_text()
+    (copy / "config.json").write_text(cfg.replace("}", ', "x": 1}', 1))
+    assert model_digest(copy) != first
+
+
 @pytest.mark.parametrize("cuts", [[0, 1, 3], [0, 2, 3], [0, 1, 2, 3]])
 def test_staged_forward_equals_whole_model(target3, cuts):
     full = load_model(target3)
