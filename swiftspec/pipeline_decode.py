@@ -297,15 +297,14 @@ class PipelineDecoder:
         """After a miss (nothing valid in flight): move the verified nodes' KV (the frontier's
         path) to follow the prefix, in every cache; drop the mask rows of the finished tree.
         Returns the move, None when already in place."""
-        path = []
-        while frontier >= 0:
-            path.append(self.nodes[frontier].slot)
-            frontier = self.nodes[frontier].parent
-        src = path[::-1]
+        path = [frontier]
+        while self.nodes[path[-1]].parent >= 0:
+            path.append(self.nodes[path[-1]].parent)
+        src = [self.nodes[i].slot for i in reversed(path)]
         dst = list(range(self.base, self.base + len(src)))
         self.base += len(src)
         self.next_slot = self.base
-        for node in self.nodes:
+        for node in self.nodes[path[-1]:]:  # the tree's root came first: its nodes are the list's tail
             node.row = None
         if src == dst:
             return None

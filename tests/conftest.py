@@ -92,3 +92,16 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 def real_models_enabled() -> bool:
     return os.environ.get("SWIFTSPEC_REAL_MODELS") == "1"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie is dead for our purposes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -4,6 +4,7 @@ import signal
 import time
 
 import pytest
+from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, TokenizerMismatchError, WorkerError
 from swiftspec import engine as engine_mod
@@ -11,18 +12,6 @@ from swiftspec.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 PROMPT = "hello world, this is a test"
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +33,7 @@ def test_modes_equal_autoregressive(tiny_dir, tiny_draft_dir, reference, mode):
     assert m.verifications == sum(m.accepted_hist.values())
     assert m.ttft_s > 0 and m.tokens_per_s > 0 and m.tbt_p50_s <= m.tbt_p99_s
     time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "close() must leave no process behind"
+    assert not any(pid_alive(p) for p in pids), "close() must leave no process behind"
 
 
 def test_tensor_parallel_equals_tp1(tiny_dir, tiny_draft_dir, reference):
@@ -122,7 +111,7 @@ def test_killed_worker_raises_quickly(tiny_dir, tiny_draft_dir, victim):
         eng.generate(PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True))
     assert time.monotonic() - t0 < 10
     time.sleep(0.3)
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     eng.close()  # idempotent
 
 
@@ -138,7 +127,7 @@ def test_worker_killed_mid_generation(tiny_dir, tiny_draft_dir):
             pass
     assert time.monotonic() - t0 < 10
     time.sleep(0.3)
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 def test_abandoned_stream_is_cancelled(tiny_dir, tiny_draft_dir, reference):

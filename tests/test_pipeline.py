@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 import pytest
+from conftest import pid_alive
 import torch
 
 from swiftspec import Engine, SamplingParams, WorkerError, engine
@@ -210,7 +211,7 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
                     pass
             assert time.monotonic() - t0 < 10
             time.sleep(0.3)
-            assert not [p for p in pids if _alive(p)]
+            assert not [p for p in pids if pid_alive(p)]
         finally:
             remote.kill()
 
@@ -244,18 +245,6 @@ def test_remote_stage_config_errors():
         engine.EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[0], master_port=1234)
     with pytest.raises(ValueError, match="fixed master_port"):
         engine.EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_cli_generate_in_a_pipeline_mode(target3, draft3, reference):
