@@ -262,7 +262,18 @@ class PipelineLeader:
         return out
 
     def shutdown(self) -> None:
+        """End the pipeline: every other stage stops its heartbeat and answers a barrier (see
+        :func:`leave`), so none of them sees the leader's store close as a lost leader."""
         broadcast(Control("end"))
+        dist.barrier()
+
+
+def leave() -> None:
+    """A follower's end after "end" (its heartbeat already stopped): the barrier that
+    :meth:`PipelineLeader.shutdown` waits on, then leave the world (gloo's threads otherwise
+    abort at interpreter exit)."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ---- rendezvous, plan, heartbeat (one host or several) -----------------------------------
@@ -368,11 +379,15 @@ class Heartbeat:
 
     def _run(self) -> None:
         seen = {r: (None, time.monotonic()) for r in range(len(self.peers)) if r != self.rank}
+        prev = time.monotonic()
         while not self._stop.wait(self.period):
             try:
                 self._beat += 1
                 self.store.set(f"hb/{self.rank}", str(self._beat))
                 now = time.monotonic()
+                if now - prev > self.limit / 2:  # this process itself stalled: blame no peer for it
+                    seen = {r: (last, now) for r, (last, _) in seen.items()}
+                prev = now
                 for r, (last, since) in seen.items():
                     v = self.store.get(f"hb/{r}") if self.store.check([f"hb/{r}"]) else None
                     if v != last:

@@ -60,6 +60,7 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
         plan.model_digest = digest
     plan, peers = exchange_plan(plan, digest)
     ops.set_kernels(plan.kernels)
+    ops.cpu_dispatch()  # load (or build) the CPU kernels now: no stage pauses once heartbeats run
     dtype = getattr(torch, plan.dtype)
     cap = capacity(plan.max_model_len, plan.width, stages)
     # verified keys stay in tree slots between misses: the caches record each slot's position
@@ -114,11 +115,11 @@ def lead(spec, engine: Connection) -> None:
                                       flushes=st.flushes, stages=st.stages, wall_s=time.perf_counter() - t0)
             engine.send(("done", spec.kind, st, stats))
     finally:
-        beat.stop()
         try:
-            pipe.shutdown()
+            pipe.shutdown()  # the heartbeat still watches: a stage lost now is reported, not waited on
         except Exception:  # a stage is gone: already reported
             pass
+        beat.stop()
 
 
 def follow(rank: int, stages: int, master_addr: str, master_port: int, target: str, timeout_s: float,
@@ -126,7 +127,7 @@ def follow(rank: int, stages: int, master_addr: str, master_port: int, target: s
     """Stages 1..S-1: set up, then follow the leader's timesteps until it ends the pipeline.
     ``on_lost(message)`` is called (from the heartbeat thread) when a peer is gone; ``ready()``
     once the stage is loaded."""
-    from swiftspec.pipeline import serve_stage
+    from swiftspec.pipeline import leave, serve_stage
 
     _, runners, peers, store = setup(rank, stages, master_addr, master_port, target, None, None, timeout_s)
     beat = Heartbeat(store, rank, peers, on_lost)
@@ -138,6 +139,7 @@ def follow(rank: int, stages: int, master_addr: str, master_port: int, target: s
         raise RuntimeError(beat.lost() or str(e)) from e
     finally:
         beat.stop()
+    leave()
 
 
 def _die(engine, message: str) -> None:

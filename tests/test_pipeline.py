@@ -194,7 +194,8 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
                     master_port=port, max_model_len=2048) as eng:
             assert len(eng.pids) == 1  # stage 1 is not the engine's process
             assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
-        assert remote.wait(timeout=10) == 0  # the engine's close ends the remote stage too
+        rc = remote.wait(timeout=10)
+        assert rc == 0, remote.stderr.read()  # the engine's close ends the remote stage, cleanly
     finally:
         remote.kill()
 
