@@ -210,6 +210,10 @@ static inline Q6KTables<V> q6k_tables(const uint8_t* blk) {
 // j = 8 h + 2 v + q; its 4 registers e hold values 16 j + 4 e + t as u = q + 32 (0..63). Per row
 // the products go `lim` registers at a time into int16 (2 * 2 * 63 * 127 < 2^15) or, with VNNI,
 // all 4 into int32, then times the signed sub-block scale; the min term: sum_j sc_j * xs_j.
+// The pinned registers (QG_KEEP) keep each sub-block's scaling where it is written: without them
+// GCC 12 kept every sub-block's sums to scale them at the end of the block, spilling ~250 vector
+// registers per block at 8 rows, and the kernels ran 8-19 % slower at 4-8 rows (avx512_vnni_512,
+// avx512_vnni and avx2; bench/RESULTS.md, "Q6_K without spills").
 template <class V, int MR>
 __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t,
                                                   const X8Rows& r, int i0) {
@@ -234,10 +238,15 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
         const V ql = O::load(blk + S * (chunk + 128 + 128 * (v & 1) + 32 * e));
         const V qh = O::load(blk + S * (chunk + 32 * e));
         const V hb = v == 0 ? O::slli16(qh, 4) : (v == 1 ? O::slli16(qh, 2) : (v == 2 ? qh : O::srli16(qh, 2)));
-        const V u = O::or_(v < 2 ? lo_nibbles(ql) : hi_nibbles(ql), O::and_(hb, k30));
+        V u = O::or_(v < 2 ? lo_nibbles(ql) : hi_nibbles(ql), O::and_(hb, k30));
+        QG_KEEP(u);
         for (int i = 0; i < MR; ++i) {
           hs[i] = x8_acc(hs[i], u, bcast32<V>(r.xq[i0 + i] + b * 256 + 16 * j + 4 * e), e % lim == 0);
-          if (e % lim == lim - 1) acc[i] = O::add32(acc[i], x8_scaled(hs[i], sc));
+          QG_KEEP(hs[i]);
+          if (e % lim == lim - 1) {
+            acc[i] = O::add32(acc[i], x8_scaled(hs[i], sc));
+            QG_KEEP(acc[i]);
+          }
         }
       }
     }
