@@ -212,7 +212,7 @@ static inline Q6KTables<V> q6k_tables(const uint8_t* blk) {
 // all 4 into int32, then times the signed sub-block scale; the min term: sum_j sc_j * xs_j.
 // The pinned registers (QG_KEEP) keep each sub-block's scaling where it is written: without them
 // GCC 12 kept every sub-block's sums to scale them at the end of the block, spilling ~250 vector
-// registers per block at 8 rows, and the kernels ran 8-19 % slower at 4-8 rows (avx512_vnni_512,
+// registers per block at 8 rows, and the kernels ran 7-19 % slower at 4-8 rows (avx512_vnni_512,
 // avx512_vnni and avx2; bench/RESULTS.md, "Q6_K without spills").
 template <class V, int MR>
 __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t,
