@@ -13,11 +13,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                                      "(default: the Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
     p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
     p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
-    p.add_argument("--mode", choices=["auto", "async", "serial", "autoregressive", "pipedec", "pipeinfer",
-                                      "pipeline-autoregressive"], default=None,
+    p.add_argument("--mode", choices=["auto", "async", "serial", "colocated", "autoregressive", "pipedec",
+                                      "pipeinfer", "pipeline-autoregressive"], default=None,
                    help="auto = the fastest for this machine (default), async = SwiftSpec, serial = "
-                        "SwiftSpec-base, autoregressive = target only; with --pipeline-stages: pipedec, "
-                        "pipeinfer, pipeline-autoregressive")
+                        "SwiftSpec-base, colocated = SwiftSpec on one GPU (CUDA streams), autoregressive = "
+                        "target only; with --pipeline-stages: pipedec, pipeinfer, pipeline-autoregressive")
     p.add_argument("--pipeline-stages", type=int, help="split the target's layers into this many pipeline stages")
     p.add_argument("--pipeline-order", choices=["layer", "score"], help="pipedec's micro-batches (default layer)")
     p.add_argument("--remote-stages", type=_int_list, help="pipeline stages started on other hosts by "

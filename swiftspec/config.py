@@ -14,7 +14,7 @@ from pathlib import Path
 from swiftspec.draft_state import TreeParams
 from swiftspec.placement import DEVICES
 
-MODES = ("async", "serial", "autoregressive", "pipedec", "pipeinfer", "pipeline-autoregressive")
+MODES = ("async", "serial", "colocated", "autoregressive", "pipedec", "pipeinfer", "pipeline-autoregressive")
 PIPELINE_MODES = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 WEIGHT_FORMATS = ("native", "bfloat16", "float32")
 
@@ -25,7 +25,10 @@ class EngineConfig:
 
     Attributes:
         mode: "auto" (default: the fastest mode for this machine, :func:`choose_mode`), "async"
-            (SwiftSpec), "serial" (SwiftSpec-base), "autoregressive", or a pipeline mode (with
+            (SwiftSpec), "serial" (SwiftSpec-base), "colocated" (Algorithm 1 in one process: on
+            one GPU the draft expands on its CUDA stream while the target verifies on another;
+            on CPU it degenerates to serial with no expansion between verifications),
+            "autoregressive", or a pipeline mode (with
             ``pipeline_stages`` >= 2; :mod:`swiftspec.pipeline_decode`): "pipedec" (PipeDec: the
             draft in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per
             node), "pipeinfer" (PipeInfer: a run of ``w`` draft tokens enters every timestep,
@@ -48,7 +51,7 @@ class EngineConfig:
         device: "auto" (default: CUDA when torch sees a GPU, else CPU), "cuda" or "cpu"
             (:mod:`swiftspec.placement`). On CUDA the weights run dequantized in ``dtype`` (no GPU
             kernel for GGUF blocks yet), the draft unquantized, logits come back to the host each
-            step; colocated async on one GPU is not built (auto picks serial there).
+            step; on one GPU auto picks "colocated".
         target_devices / draft_devices: GPU indices of each group (async; one process per GPU, so
             a group's TP degree is its GPU count); serial and autoregressive use
             ``target_devices + draft_devices``. Default: the draft gets the last ⌈n/4⌉ GPUs.
@@ -60,7 +63,8 @@ class EngineConfig:
             GPU count.
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
             8, 2, w, 1024, 256.
-        d: expansions per iteration; None = automatic in async, 3 in serial.
+        d: expansions per iteration; None = automatic in async, 3 in serial; in colocated
+            the most that may overlap one verification (None: as many as fit).
         max_model_len: context length in tokens (prompt + generation).
         draft_quant: "int8" (default) or "none": weight-only quantization of the draft. The
             target checks every token, so this changes speed, never the output.
@@ -172,7 +176,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 
     On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) the CPU profile and rule do not
     apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout), on one GPU
-    ``serial`` (colocated async is not built yet); not yet measured on hardware.
+    ``colocated`` (both models on it, the draft expanding while the target verifies, on CUDA
+    streams); not yet measured on hardware.
 
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
@@ -186,7 +191,7 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     if gpus:
         if gpus >= 2:
             return "async", f"auto: {gpus} GPUs, a draft group and a target group", {}
-        return "serial", "auto: one GPU (colocated async is not built yet)", {}
+        return "colocated", "auto: one GPU, both models on it, the draft expanding during verification", {}
     if profiled is not None and profiled.get("mode") in MODES:
         measured = profiled.get("_measured") or {}
         tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}

@@ -26,7 +26,7 @@ class Group:
     """One device group: its job, the models it holds and one entry per TP rank.
 
     Attributes:
-        kind: "target" / "draft" (the two async groups), "serial" or "autoregressive".
+        kind: "target" / "draft" (the two async groups), "serial", "colocated" or "autoregressive".
         models: role -> model path.
         cores: CPU cores of each rank (a rank's threads run there).
         devices: torch device string of each rank ("cpu" or "cuda:K").
@@ -94,8 +94,8 @@ def split_gpus(n_gpus: int, target: list[int] | None, draft: list[int] | None,
     if target is None and draft is None:
         if n_gpus < 2:
             raise PlacementError(
-                f"async needs one GPU per group and this machine shows {n_gpus}; colocating both groups "
-                "on one GPU is not built yet: use mode='serial' (or 'auto', which picks it)")
+                f"async needs one GPU per group and this machine shows {n_gpus}; on one GPU use "
+                "mode='colocated' (both models on it, Algorithm 1 with CUDA streams; 'auto' picks it)")
         n_draft = max(1, math.ceil(n_gpus / 4))
         return list(range(n_gpus - n_draft)), list(range(n_gpus - n_draft, n_gpus))
     if target is None or draft is None:
@@ -141,8 +141,8 @@ def split_cores(cores: list[int], parts: int) -> list[list[int]]:
 def plan_groups(config, device: str, target: str, draft: str | None, cores: list[int],
                 n_gpus: int = 0) -> list[Group]:
     """The engine's device groups for ``config`` (an :class:`swiftspec.engine.EngineConfig` whose
-    mode is resolved): async has a target group and a draft group, serial one group holding both
-    models, autoregressive one group holding the target. ``device`` is "cpu" or "cuda" (resolved),
+    mode is resolved): async has a target group and a draft group, serial and colocated one
+    group holding both models, autoregressive one group holding the target. ``device`` is "cpu" or "cuda" (resolved),
     ``cores`` the cores this process may use, ``n_gpus`` the visible GPUs.
 
     Pipeline modes (``pipeline_stages`` S >= 2): S groups of one process, stage 0 (the leader,
@@ -179,7 +179,7 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
         parts = [(ROLE_TARGET, {ROLE_TARGET: target}, list(t_cores), c.target_tp),
                  (ROLE_DRAFT, {ROLE_DRAFT: draft}, list(d_cores), c.draft_tp)]
     else:
-        models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if c.mode == "serial" else {})}
+        models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if c.mode in ("serial", "colocated") else {})}
         parts = [(c.mode, models, list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores,
                   c.target_tp)]
     if device == "cpu":

@@ -6,6 +6,7 @@ group execute the same sequence of collectives (docs/architecture.md §1).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from multiprocessing.connection import Connection
 
@@ -33,13 +34,20 @@ class ModelRunner:
         device: where the weights, the KV cache and the step inputs live (the caller sets the
             current CUDA device first). The scheduler's tensors are built on the host; each
             forward moves them here and its logits back.
+        stream_priority: on CUDA, run this model's work on a stream of its own with this
+            priority (-1 high, 0 low; the colocated mode gives the target -1, the draft 0), so
+            a launched forward (:meth:`launch`) overlaps the other model's; None: the current
+            stream. Ignored on CPU.
     """
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
                  weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None,
-                 track_positions: bool = False):
+                 track_positions: bool = False, stream_priority: int | None = None):
         self.device = torch.device(device)
+        self.stream = None
+        if self.device.type == "cuda" and stream_priority is not None:
+            self.stream = torch.cuda.Stream(self.device, priority=stream_priority)
         # tree nodes sit up to one tree depth past the cache slots they are stored in
         self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights,
                                 device=self.device, stage=stage)
@@ -60,21 +68,33 @@ class ModelRunner:
         """Run ``n`` tokens (see :meth:`LlamaForCausalLM.forward`); return float32 logits
         ``[len(logits_rows), vocab]`` on the host for the selected rows, or None when none are
         asked for. Inputs may be host tensors (moved to the runner's device here)."""
+        return self.launch(input_ids, positions, slots, mask, logits_rows).result()
+
+    def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor, logits_rows: torch.Tensor | None) -> "Launched":
+        """Start :meth:`forward` without waiting for it: on CUDA the work is queued on the
+        runner's stream and :meth:`Launched.result` waits for it (the host is free meanwhile);
+        on CPU it runs here, to completion."""
         t0 = time.perf_counter()
         dev = self.device
-        if dev.type != "cpu":
-            input_ids, positions, slots, mask = (t.to(dev) for t in (input_ids, positions, slots, mask))
-        h = self.model(input_ids, positions, slots, mask, self.kv)
-        out = None
-        if logits_rows is not None and logits_rows.numel():
-            out = self.model.compute_logits(h[logits_rows.to(dev)], self.logits_vocab)
-        if dev.type == "cuda":
-            out = None if out is None else out.cpu()
-            torch.cuda.synchronize(dev)  # busy time is device time
-        self.busy_s += time.perf_counter() - t0
+        with self._on_stream():
+            timing = None
+            if dev.type == "cuda":
+                timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                timing[0].record()
+                input_ids, positions, slots, mask = (t.to(dev) for t in (input_ids, positions, slots, mask))
+            h = self.model(input_ids, positions, slots, mask, self.kv)
+            out = None
+            if logits_rows is not None and logits_rows.numel():
+                out = self.model.compute_logits(h[logits_rows.to(dev)], self.logits_vocab)
+            if timing is not None:
+                timing[1].record()
         self.forward_tokens += int(input_ids.numel())
         self.forwards += 1
-        return out
+        return Launched(self, out, t0 if timing is None else timing)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def forward_stage(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,14 +107,49 @@ class ModelRunner:
         return out
 
     def move_kv(self, src, dst) -> None:
-        """Apply cache moves ``src[j] -> dst[j]`` (see :meth:`KVCache.move`)."""
-        self.kv.move(src, dst)
+        """Apply cache moves ``src[j] -> dst[j]`` (see :meth:`KVCache.move`), on the runner's
+        stream (after its forwards)."""
+        with self._on_stream():
+            self.kv.move(src, dst)
 
     def reset_stats(self) -> None:
         self.busy_s, self.forward_tokens, self.forwards = 0.0, 0, 0
 
     def stats(self) -> dict:
         return {"busy_s": self.busy_s, "forward_tokens": self.forward_tokens, "forwards": self.forwards}
+
+
+class Launched:
+    """A forward in flight (:meth:`ModelRunner.launch`): :meth:`done` polls it, :meth:`result`
+    waits and returns the host logits (float32 ``[k, vocab]``, or None when no rows were asked
+    for), adding the forward's device time (CUDA events) or wall time (CPU) to the runner's busy
+    time."""
+
+    def __init__(self, runner: ModelRunner, out: torch.Tensor | None, timing):
+        self.runner, self.out, self.timing = runner, out, timing
+        if not isinstance(timing, tuple):  # CPU: the work is done
+            runner.busy_s += time.perf_counter() - timing
+            self.timing = None
+        self._result: torch.Tensor | None = None
+        self._waited = False
+
+    def done(self) -> bool:
+        return self.timing is None or self.timing[1].query()
+
+    def result(self) -> torch.Tensor | None:
+        if self._waited:
+            return self._result
+        self._waited = True
+        out = self.out
+        if self.timing is not None:
+            start, end = self.timing
+            end.synchronize()
+            self.runner.busy_s += start.elapsed_time(end) / 1e3  # busy time is device time
+            if out is not None:
+                with self.runner._on_stream():  # the stream that produced it
+                    out = out.cpu()
+        self._result, self.out = out, None
+        return out
 
 
 class RunnerHandle:
@@ -112,8 +167,12 @@ class RunnerHandle:
             c.send((self.role, method, args))
 
     def forward(self, input_ids, positions, slots, mask, logits_rows=None):
+        return self.launch(input_ids, positions, slots, mask, logits_rows).result()
+
+    def launch(self, input_ids, positions, slots, mask, logits_rows=None) -> Launched:
+        """:meth:`ModelRunner.launch` on the leader (the followers run the forward as usual)."""
         self._mirror("forward", input_ids, positions, slots, mask, logits_rows)
-        return self.runner.forward(input_ids, positions, slots, mask, logits_rows)
+        return self.runner.launch(input_ids, positions, slots, mask, logits_rows)
 
     def move_kv(self, src, dst) -> None:
         if len(src):

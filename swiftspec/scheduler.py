@@ -1,8 +1,11 @@
-"""The decoding loops of the three modes, sharing every step function (SwiftSpec paper §3.1, Algorithm 1).
+"""The decoding loops of the modes, sharing every step function (SwiftSpec paper §3.1,
+Algorithm 1; the pipeline modes: :mod:`swiftspec.pipeline_decode`).
 
 - ``async`` (SwiftSpec, Algorithm 1): the draft leader and the target leader run
   :func:`run_async_draft` and :func:`run_async_target` in separate processes, exchanging only
   the subgraph and the verified tokens once per iteration.
+- ``colocated`` (Algorithm 1 on one GPU): :func:`run_colocated`, both models in one process,
+  the draft expanding on its CUDA stream while the target's verification runs on another.
 - ``serial`` (SwiftSpec-base): :func:`run_serial`, draft then verify, in one group.
 - ``autoregressive``: :func:`run_autoregressive`, the target alone, one token per forward.
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from swiftspec.draft_state import DraftState
+from swiftspec.runner import Launched
 from swiftspec.sampling import Sampler, SamplingParams
 from swiftspec.target_state import TargetState
 from swiftspec.tree import Subgraph
@@ -111,8 +115,10 @@ class TargetStats:
 
 
 def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: StopChecker,
-                 emit, stats: TargetStats) -> list[int]:
-    res = target.verify(sg, sampler, stop.remaining)
+                 emit, stats: TargetStats, launched: Launched | None = None) -> list[int]:
+    """Verify ``sg`` (its forward already ``launched`` by :meth:`TargetState.launch`, or now),
+    emit the kept tokens; returns the verified tokens."""
+    res = target.accept(sg, launched or target.launch(sg), sampler, stop.remaining)
     _emit_verified(res, stop, emit)
     stats.verifications += 1
     stats.accepted.append(len(res.accepted))
@@ -163,6 +169,40 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
         if stop.reason:
             break
         draft.reroot(verified)
+    stats.reason = stop.reason
+    return stats
+
+
+def run_colocated(draft: DraftState, target: TargetState, req: Request, emit,
+                  stop: StopChecker | None = None) -> TargetStats:
+    """Algorithm 1 in one process holding both models (one GPU): each verification is launched
+    on the target's stream and the draft keeps expanding its tree on its own stream until the
+    verification's event completes (at most ``req.d`` expansions when set), then the verified
+    tokens re-root the tree, which fills to a full subgraph for the next verification. Events
+    replace the pipes of :func:`run_async_target` / :func:`run_async_draft`; the tree logic is
+    theirs (SwiftSpec paper §3.1). Where a launch runs to completion before it returns (CPU), no
+    expansion overlaps a verification and each iteration verifies what the re-rooted tree fills
+    (serial with ``d`` = 0). Lossless either way: every token is the target's own sample."""
+    sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
+    draft.prefill(req.prompt_ids)
+    first = _prefill_target(target, req, sampler, stop, emit)
+    if stop.reason:
+        stats.reason = stop.reason
+        return stats
+    draft.start(first)
+    draft.fill()
+    while True:
+        sg = draft.subgraph()
+        launched = target.launch(sg)
+        n = 0
+        while (req.d is None or n < req.d) and draft.can_expand() and not launched.done():
+            draft.expand()
+            n += 1
+        verified = _verify_step(target, sg, sampler, stop, emit, stats, launched)
+        if stop.reason:
+            break
+        draft.reroot(verified)
+        draft.fill()
     stats.reason = stop.reason
     return stats
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from swiftspec.runner import RunnerHandle
+from swiftspec.runner import Launched, RunnerHandle
 from swiftspec.sampling import Sampler
 from swiftspec.tree import Subgraph
 from swiftspec.verify import VerifyResult, walk
@@ -57,6 +57,11 @@ class TargetState:
         Raises:
             ValueError: the subgraph's root is not the current root, or it would overflow the cache.
         """
+        return self.accept(sg, self.launch(sg), sampler, max_new)
+
+    def launch(self, sg: Subgraph) -> Launched:
+        """The verification forward of :meth:`verify`, started (on CUDA it runs on the target's
+        stream while the caller goes on; :meth:`accept` finishes it). Raises as :meth:`verify`."""
         if sg.tokens[0] != self.root:
             raise ValueError(f"subgraph root {sg.tokens[0]} is not the verified root {self.root}")
         L, bs = self.prefix_len, len(sg)
@@ -64,9 +69,14 @@ class TargetState:
             raise ValueError("subgraph does not fit the target KV cache")
         slots = torch.arange(L, L + bs)
         pos = torch.tensor(sg.depths) + L
-        logits = self.runner.forward(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
-                                     torch.arange(bs))
-        res = walk(sg.tokens, sg.parents, logits, sampler, max_new)
+        return self.runner.launch(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
+                                  torch.arange(bs))
+
+    def accept(self, sg: Subgraph, launched: Launched, sampler: Sampler, max_new: int | None = None) -> VerifyResult:
+        """The rest of :meth:`verify` once its forward (``launched``, from :meth:`launch` of the
+        same ``sg``) is done: the sampling walk and the KV compaction."""
+        L = self.prefix_len
+        res = walk(sg.tokens, sg.parents, launched.result(), sampler, max_new)
         keep = [0] + res.accepted  # root + accepted nodes move to L .. L+k
         self.runner.move_kv([L + i for i in keep], list(range(L, L + len(keep))))
         self.prefix_len = L + len(keep)

@@ -30,7 +30,7 @@ class WorkerSpec:
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
         kind: this group's job: "target" (async target group), "draft" (async draft group),
-            "serial" (both models), "autoregressive" (target only), "pipedec" / "pipeinfer" /
+            "serial" or "colocated" (both models), "autoregressive" (target only), "pipedec" / "pipeinfer" /
             "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
         stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
@@ -105,6 +105,8 @@ def _setup(spec: WorkerSpec):
     runners = {}
     for role, path in spec.models.items():
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
+        if spec.kind == "colocated":  # a CUDA stream per model, the target's verification first
+            extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
     return runners
@@ -188,6 +190,8 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 st = scheduler.run_autoregressive(target, req, emit, stop)
             elif spec.kind == "serial":
                 st = scheduler.run_serial(draft, target, req, emit, stop)
+            elif spec.kind == "colocated":
+                st = scheduler.run_colocated(draft, target, req, emit, stop)
             elif spec.kind == ROLE_TARGET:
                 st = scheduler.run_async_target(target, req, peer, emit, stop)
             else:

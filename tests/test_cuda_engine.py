@@ -1,6 +1,7 @@
 """The engine on CUDA (device="cuda"): models, KV caches and step inputs on the GPU. Tiny random
 fp32 models whose draft is the target itself (so the compression ratio is well above 1.5):
-serial and async equal autoregressive greedy; sampled output follows the target distribution.
+serial, colocated (CUDA streams) and async equal autoregressive greedy; sampled output follows
+the target distribution.
 Skipped without a CUDA device (the CPU suite covers the same loops on "cpu")."""
 from collections import Counter
 
@@ -19,10 +20,14 @@ PROMPT = [3, 40, 41, 42, 50, 60, 70, 33, 34, 35]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
-def _states(model_dir, **tree):
-    target = TargetState(RunnerHandle("target", ModelRunner(str(model_dir), capacity=512, device="cuda"), []))
-    draft = DraftState(RunnerHandle("draft", ModelRunner(str(model_dir), capacity=1024, device="cuda"), []),
-                       TreeParams(**tree))
+def _states(model_dir, streams: bool = False, **tree):
+    """Target and draft on the GPU; ``streams``: each on a stream of its own, as the colocated
+    worker runs them (the target's at high priority)."""
+    pt, pd = (-1, 0) if streams else (None, None)
+    target = TargetState(RunnerHandle("target", ModelRunner(str(model_dir), capacity=512, device="cuda",
+                                                            stream_priority=pt), []))
+    draft = DraftState(RunnerHandle("draft", ModelRunner(str(model_dir), capacity=1024, device="cuda",
+                                                         stream_priority=pd), []), TreeParams(**tree))
     return target, draft
 
 
@@ -33,23 +38,25 @@ def _run(fn, *args):
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-def test_runner_on_cuda_serial_equals_autoregressive(tiny_dir, kernels):
+@pytest.mark.parametrize("loop", ["serial", "colocated"])
+def test_runner_on_cuda_equals_autoregressive(tiny_dir, kernels, loop):
     from swiftspec import ops
 
     ops.set_kernels(kernels)
     try:
-        target, draft = _states(tiny_dir)
+        target, draft = _states(tiny_dir, streams=loop == "colocated")
         assert target.runner.runner.kv.buf.is_cuda
         req = Request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), 40, (2,), 3, False)
         ref, _ = _run(scheduler.run_autoregressive, target, req)
-        out, st = _run(scheduler.run_serial, draft, target, req)
+        out, st = _run(getattr(scheduler, f"run_{loop}"), draft, target, req)
         assert out == ref
         assert len(out) / (len(st.accepted) + 1) > 1.5, "an identical draft must be accepted"
     finally:
         ops.set_kernels(True)
 
 
-def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir):
+@pytest.mark.parametrize("loop", ["serial", "colocated"])
+def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir, loop):
     """First three sampled tokens against the exact target distribution (chi-square), as the
     CPU test in test_scheduler.py."""
     from distributions import chi_square_pvalue, exact_first_tokens
@@ -58,10 +65,10 @@ def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir):
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     exact = exact_first_tokens(load_model(tiny_dir, device="cuda"), PROMPT, params, device="cuda")
-    target, draft = _states(tiny_dir, w=2, topk=2, bs=4)
+    target, draft = _states(tiny_dir, streams=loop == "colocated", w=2, topk=2, bs=4)
     counts = Counter()
     for seed in range(1000):
-        out, _ = _run(scheduler.run_serial, draft, target,
+        out, _ = _run(getattr(scheduler, f"run_{loop}"), draft, target,
                       Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1, False))
         counts[tuple(out)] += 1
     assert chi_square_pvalue(counts, exact) > 1e-3
@@ -73,9 +80,10 @@ def cuda_reference(tiny_dir):
         return eng.generate("hello world, this is a test", GREEDY)
 
 
-def test_engine_serial_on_one_gpu(tiny_dir, cuda_reference):
-    with Engine(tiny_dir, tiny_dir, dtype="float32", device="cuda", target_devices=[0]) as eng:
-        assert eng.config.mode == "serial"  # auto on one GPU
+@pytest.mark.parametrize("mode", ["auto", "serial"])
+def test_engine_on_one_gpu(tiny_dir, cuda_reference, mode):
+    with Engine(tiny_dir, tiny_dir, mode=mode, dtype="float32", device="cuda", target_devices=[0]) as eng:
+        assert eng.config.mode == ("colocated" if mode == "auto" else mode)  # auto on one GPU
         out = eng.generate("hello world, this is a test", GREEDY)
     assert out.token_ids == cuda_reference.token_ids and out.metrics.compression_ratio > 1.5
 

@@ -22,7 +22,7 @@ def reference(tiny_dir):
     return out
 
 
-@pytest.mark.parametrize("mode", ["async", "serial"])
+@pytest.mark.parametrize("mode", ["async", "serial", "colocated"])
 def test_modes_equal_autoregressive(tiny_dir, tiny_draft_dir, reference, mode):
     with Engine(tiny_dir, tiny_draft_dir, mode=mode, dtype="float32") as eng:
         out = eng.generate(PROMPT, GREEDY)

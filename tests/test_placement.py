@@ -99,15 +99,17 @@ def test_plan_groups_cuda():
     assert t.cores == d.cores == [[5]]
     with pytest.raises(PlacementError, match="TP degree is 3"):
         plan_groups(_cfg(mode="async", target_tp=2), "cuda", "T", "D", [0, 1], n_gpus=4)
-    with pytest.raises(PlacementError, match="colocating"):
+    with pytest.raises(PlacementError, match="mode='colocated'"):
         plan_groups(_cfg(mode="async"), "cuda", "T", "D", [0, 1], n_gpus=1)
+    (g,) = plan_groups(_cfg(mode="colocated"), "cuda", "T", "D", [0, 1], n_gpus=1)
+    assert g.kind == "colocated" and g.devices == ["cuda:0"] and g.models == {"target": "T", "draft": "D"}
 
 
 def test_auto_mode_on_gpus():
     auto = engine.EngineConfig()
     assert engine.choose_mode(auto, True, None, gpus=2)[0] == "async"
     mode, why, tree = engine.choose_mode(auto, True, {"mode": "async"}, gpus=1)
-    assert mode == "serial" and "one GPU" in why and tree == {}
+    assert mode == "colocated" and "one GPU" in why and tree == {}
     assert engine.choose_mode(engine.EngineConfig(mode="async"), True, None, gpus=1)[0] == "async"
 
 

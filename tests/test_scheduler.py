@@ -132,6 +132,39 @@ def test_async_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_ref
     assert dst.expansions > 0 and tst.verifications == len(tst.accepted)
 
 
+@pytest.fixture
+def slow_device(monkeypatch):
+    """A device where each launched forward reports busy for its first ``polls[0]`` done() polls
+    (a GPU still verifying), so the colocated loop expands between launch and accept on CPU."""
+    from swiftspec.runner import Launched
+
+    polls = [0]
+    real = Launched.done
+
+    def done(self):
+        self._polls = getattr(self, "_polls", 0) + 1
+        return self._polls > polls[0] and real(self)
+
+    monkeypatch.setattr(Launched, "done", done)
+    return polls
+
+
+@pytest.mark.parametrize("polls,d", [(0, None), (2, None), (5, None), (5, 2)])
+def test_colocated_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_reference, slow_device, polls, d):
+    """Algorithm 1 in one process: expansions overlapping each verification (as many as the
+    verification lasts, at most d), then re-root: the target's own greedy output."""
+    slow_device[0] = polls
+    draft = _draft(tiny_draft_dir)
+    draft.debug = True
+    out, emit = _collect()
+    st = scheduler.run_colocated(draft, _target(tiny_dir), _req(d=d), emit)
+    assert out == greedy_reference
+    assert sum(st.accepted) > 0 and st.verifications == len(st.accepted)
+    # fill() alone makes one expansion per iteration here (bs 8 needs it); overlap adds more
+    per_iteration = draft.expansions / st.verifications
+    assert per_iteration > 1.5 if polls else per_iteration < 1.5
+
+
 def _greedy_chain(sg):
     """Length of the chain of most probable children (by draft weight) inside the subgraph."""
     node, n = 0, 0
@@ -143,13 +176,14 @@ def _greedy_chain(sg):
         n += 1
 
 
-@pytest.mark.parametrize("mode", ["serial", "async"])
-def test_identical_draft_accepts_whole_greedy_chain(tiny_dir, greedy_reference, mode):
+@pytest.mark.parametrize("mode", ["serial", "async", "colocated"])
+def test_identical_draft_accepts_whole_greedy_chain(tiny_dir, greedy_reference, slow_device, mode):
     target, draft = _target(tiny_dir), _draft(tiny_dir)
     req = _req(trace=True, d=3)
-    if mode == "serial":
+    slow_device[0] = 3
+    if mode in ("serial", "colocated"):
         out, emit = _collect()
-        st = scheduler.run_serial(draft, target, req, emit)
+        st = getattr(scheduler, f"run_{mode}")(draft, target, req, emit)
     else:
         out, st, _ = run_async_threads(draft, target, req)
     assert out == greedy_reference
@@ -184,13 +218,13 @@ def test_no_surviving_kv_is_recomputed(tiny_dir, tiny_draft_dir, monkeypatch):
     monkeypatch.setattr(DraftTree, "plan_expansion", plan)
     draft = _draft(tiny_draft_dir)
     forward_tokens = []
-    real_forward = draft.runner.runner.forward
+    real_launch = draft.runner.runner.launch
 
-    def counting_forward(ids, *a):
+    def counting_launch(ids, *a):
         forward_tokens.append(int(ids.numel()))
-        return real_forward(ids, *a)
+        return real_launch(ids, *a)
 
-    monkeypatch.setattr(draft.runner.runner, "forward", counting_forward)
+    monkeypatch.setattr(draft.runner.runner, "launch", counting_launch)
     emit = lambda toks, t, lps=(): seq.extend(toks)  # noqa: E731
     scheduler.run_serial(draft, _target(tiny_dir), _req(n=60, d=2), emit)
     assert computed and max(computed.values()) == 1
@@ -199,7 +233,8 @@ def test_no_surviving_kv_is_recomputed(tiny_dir, tiny_draft_dir, monkeypatch):
     assert draft.reused_kv > 0
 
 
-def test_sampled_output_follows_target_distribution(tiny_dir):
+@pytest.mark.parametrize("mode", ["serial", "colocated"])
+def test_sampled_output_follows_target_distribution(tiny_dir, slow_device, mode):
     """Joint distribution of the first three tokens (t0 from prefill, t1 and t2 from one
     verification walk) against the exact target distribution: chi-square test."""
     from distributions import chi_square_pvalue, exact_first_tokens
@@ -212,9 +247,11 @@ def test_sampled_output_follows_target_distribution(tiny_dir):
     n = 1500
     counts = Counter()
     accepted_any = 0
+    slow_device[0] = 1
+    run = getattr(scheduler, f"run_{mode}")
     for seed in range(n):
         out, emit = _collect()
-        st = scheduler.run_serial(draft, target, Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1), emit)
+        st = run(draft, target, Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1), emit)
         counts[tuple(out)] += 1
         accepted_any += sum(st.accepted) > 0
     assert chi_square_pvalue(counts, exact) > 1e-3

@@ -35,10 +35,12 @@ ABBREV = {"alpaca": "ALP", "gsm8k": "GSM", "humaneval": "HE", "mt_bench": "MT", 
 PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 3.11, "QA": 2.74, "SUM": 3.56},
                 "swiftspec-serial": {"ALP": 3.28, "GSM": 4.2, "HE": 4.04, "MT": 3.42, "QA": 3.12, "SUM": 3.72}}
 SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
+           "swiftspec-colocated",
            "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
            "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec",
            "pipeline-autoregressive", "pipedec", "pipeinfer")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
+                "swiftspec-colocated": "colocated",
                 "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
                 "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
                 "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive",
