@@ -50,8 +50,9 @@ class EngineConfig:
             weight dequantized).
         device: "auto" (default: CUDA when torch sees a GPU, else CPU), "cuda" or "cpu"
             (:mod:`swiftspec.placement`). On CUDA the weights run dequantized in ``dtype`` (no GPU
-            kernel for GGUF blocks yet), the draft unquantized, logits come back to the host each
-            step; on one GPU auto picks "colocated".
+            kernel for GGUF blocks yet), the draft unquantized; greedy tokens and the draft's
+            top-k are reduced on the device (sampled requests bring logits rows to the host);
+            on one GPU auto picks "colocated".
         target_devices / draft_devices: GPU indices of each group (async; one process per GPU, so
             a group's TP degree is its GPU count); serial and autoregressive use
             ``target_devices + draft_devices``. Default: the draft gets the last ⌈n/4⌉ GPUs.

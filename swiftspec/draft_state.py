@@ -82,8 +82,9 @@ class DraftState:
         """One expansion: a draft forward over the ``w`` heaviest leaves (or the catch-up)."""
         t0 = time.perf_counter()
         exp = self.tree.plan_expansion(self.params.w)
-        logits = self.runner.forward(exp.input_ids, exp.positions, exp.slots, exp.mask, exp.logits_rows)
-        self.tree.add_children(exp, torch.log_softmax(logits, dim=-1), self.params.topk)
+        top = self.runner.forward(exp.input_ids, exp.positions, exp.slots, exp.mask, exp.logits_rows,
+                                  self.params.topk)  # reduced to the top-k where the draft runs
+        self.tree.add_children(exp, *top)
         self.expansions += 1
         self.expansion_s += time.perf_counter() - t0
         if self.debug:

@@ -64,14 +64,18 @@ class ModelRunner:
         self.forwards = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Run ``n`` tokens (see :meth:`LlamaForCausalLM.forward`); return float32 logits
-        ``[len(logits_rows), vocab]`` on the host for the selected rows, or None when none are
-        asked for. Inputs may be host tensors (moved to the runner's device here)."""
-        return self.launch(input_ids, positions, slots, mask, logits_rows).result()
+                mask: torch.Tensor, logits_rows: torch.Tensor | None, head: str | int | None = None):
+        """Run ``n`` tokens (see :meth:`LlamaForCausalLM.forward`) and return, on the host, for
+        the ``k = len(logits_rows)`` selected rows (None when none are asked for): ``head`` None:
+        float32 logits ``[k, vocab]``; "argmax": int64 ``[k]`` greedy tokens (first index on
+        ties); an int ``t``: the ``t`` most likely tokens of each row, ``(values, ids)``, float32
+        log-probabilities and int64 ids ``[k, t]``, heaviest first. The reductions run where the
+        model runs, so on a GPU only ids and log-probabilities come back. Inputs may be host
+        tensors (moved to the runner's device here)."""
+        return self.launch(input_ids, positions, slots, mask, logits_rows, head).result()
 
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor, logits_rows: torch.Tensor | None) -> "Launched":
+               mask: torch.Tensor, logits_rows: torch.Tensor | None, head: str | int | None = None) -> "Launched":
         """Start :meth:`forward` without waiting for it: on CUDA the work is queued on the
         runner's stream and :meth:`Launched.result` waits for it (the host is free meanwhile);
         on CPU it runs here, to completion."""
@@ -86,12 +90,12 @@ class ModelRunner:
             h = self.model(input_ids, positions, slots, mask, self.kv)
             out = None
             if logits_rows is not None and logits_rows.numel():
-                out = self.model.compute_logits(h[logits_rows.to(dev)], self.logits_vocab)
+                out = _reduce(self.model.compute_logits(h[logits_rows.to(dev)], self.logits_vocab), head)
             if timing is not None:
                 timing[1].record()
         self.forward_tokens += int(input_ids.numel())
         self.forwards += 1
-        return Launched(self, out, t0 if timing is None else timing)
+        return Launched(self, out, t0, timing)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -119,17 +123,26 @@ class ModelRunner:
         return {"busy_s": self.busy_s, "forward_tokens": self.forward_tokens, "forwards": self.forwards}
 
 
+def _reduce(logits: torch.Tensor, head: str | int | None):
+    """The rows' ``head`` (see :meth:`ModelRunner.forward`) from float32 logits ``[k, vocab]``."""
+    if head is None:
+        return logits
+    if head == "argmax":
+        return logits.argmax(-1)
+    values, ids = torch.log_softmax(logits, dim=-1).topk(min(int(head), logits.shape[-1]), dim=-1)
+    return values, ids
+
+
 class Launched:
     """A forward in flight (:meth:`ModelRunner.launch`): :meth:`done` polls it, :meth:`result`
-    waits and returns the host logits (float32 ``[k, vocab]``, or None when no rows were asked
-    for), adding the forward's device time (CUDA events) or wall time (CPU) to the runner's busy
-    time."""
+    waits and returns what :meth:`ModelRunner.forward` returns, adding the forward's device time
+    (CUDA events) or wall time (CPU) to the runner's busy time."""
 
-    def __init__(self, runner: ModelRunner, out: torch.Tensor | None, timing):
-        self.runner, self.out, self.timing = runner, out, timing
-        if not isinstance(timing, tuple):  # CPU: the work is done
-            runner.busy_s += time.perf_counter() - timing
-            self.timing = None
+    def __init__(self, runner: ModelRunner, out: torch.Tensor | None, t0: float,
+                 timing: tuple[torch.cuda.Event, torch.cuda.Event] | None):
+        self.runner, self.out, self.timing = runner, out, timing  # timing: start and end events (CUDA)
+        if timing is None:  # CPU: the work is done
+            runner.busy_s += time.perf_counter() - t0
         self._result: torch.Tensor | None = None
         self._waited = False
 
@@ -147,7 +160,7 @@ class Launched:
             self.runner.busy_s += start.elapsed_time(end) / 1e3  # busy time is device time
             if out is not None:
                 with self.runner._on_stream():  # the stream that produced it
-                    out = out.cpu()
+                    out = tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
         self._result, self.out = out, None
         return out
 
@@ -166,13 +179,13 @@ class RunnerHandle:
         for c in self.followers:
             c.send((self.role, method, args))
 
-    def forward(self, input_ids, positions, slots, mask, logits_rows=None):
-        return self.launch(input_ids, positions, slots, mask, logits_rows).result()
+    def forward(self, input_ids, positions, slots, mask, logits_rows=None, head=None):
+        return self.launch(input_ids, positions, slots, mask, logits_rows, head).result()
 
-    def launch(self, input_ids, positions, slots, mask, logits_rows=None) -> Launched:
+    def launch(self, input_ids, positions, slots, mask, logits_rows=None, head=None) -> Launched:
         """:meth:`ModelRunner.launch` on the leader (the followers run the forward as usual)."""
         self._mirror("forward", input_ids, positions, slots, mask, logits_rows)
-        return self.runner.launch(input_ids, positions, slots, mask, logits_rows)
+        return self.runner.launch(input_ids, positions, slots, mask, logits_rows, head)
 
     def move_kv(self, src, dst) -> None:
         if len(src):

@@ -118,7 +118,7 @@ def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: Stop
                  emit, stats: TargetStats, launched: Launched | None = None) -> list[int]:
     """Verify ``sg`` (its forward already ``launched`` by :meth:`TargetState.launch`, or now),
     emit the kept tokens; returns the verified tokens."""
-    res = target.accept(sg, launched or target.launch(sg), sampler, stop.remaining)
+    res = target.accept(sg, launched or target.launch(sg, sampler), sampler, stop.remaining)
     _emit_verified(res, stop, emit)
     stats.verifications += 1
     stats.accepted.append(len(res.accepted))
@@ -193,7 +193,7 @@ def run_colocated(draft: DraftState, target: TargetState, req: Request, emit,
     draft.fill()
     while True:
         sg = draft.subgraph()
-        launched = target.launch(sg)
+        launched = target.launch(sg, sampler)
         n = 0
         while (req.d is None or n < req.d) and draft.can_expand() and not launched.done():
             draft.expand()

@@ -11,7 +11,7 @@ import torch
 from swiftspec.runner import Launched, RunnerHandle
 from swiftspec.sampling import Sampler
 from swiftspec.tree import Subgraph
-from swiftspec.verify import VerifyResult, walk
+from swiftspec.verify import VerifyResult, target_head, walk
 
 
 def ancestor_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
@@ -45,7 +45,8 @@ class TargetState:
         n = len(prompt_ids)
         pos = torch.arange(n)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
-        logits = self.runner.forward(torch.tensor(prompt_ids), pos, pos, mask, torch.tensor([n - 1]))
+        logits = self.runner.forward(torch.tensor(prompt_ids), pos, pos, mask, torch.tensor([n - 1]),
+                                     target_head(sampler))
         self.prefix_len = n
         res = walk([-1], [-1], logits, sampler)  # a lone node: its sample is the bonus token
         self.root = res.bonus
@@ -57,11 +58,13 @@ class TargetState:
         Raises:
             ValueError: the subgraph's root is not the current root, or it would overflow the cache.
         """
-        return self.accept(sg, self.launch(sg), sampler, max_new)
+        return self.accept(sg, self.launch(sg, sampler), sampler, max_new)
 
-    def launch(self, sg: Subgraph) -> Launched:
+    def launch(self, sg: Subgraph, sampler: Sampler) -> Launched:
         """The verification forward of :meth:`verify`, started (on CUDA it runs on the target's
-        stream while the caller goes on; :meth:`accept` finishes it). Raises as :meth:`verify`."""
+        stream while the caller goes on; :meth:`accept` finishes it). Greedy requests without
+        log-probabilities get each row's argmax from the device, the others the logits.
+        Raises as :meth:`verify`."""
         if sg.tokens[0] != self.root:
             raise ValueError(f"subgraph root {sg.tokens[0]} is not the verified root {self.root}")
         L, bs = self.prefix_len, len(sg)
@@ -70,7 +73,7 @@ class TargetState:
         slots = torch.arange(L, L + bs)
         pos = torch.tensor(sg.depths) + L
         return self.runner.launch(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
-                                  torch.arange(bs))
+                                  torch.arange(bs), target_head(sampler))
 
     def accept(self, sg: Subgraph, launched: Launched, sampler: Sampler, max_new: int | None = None) -> VerifyResult:
         """The rest of :meth:`verify` once its forward (``launched``, from :meth:`launch` of the

@@ -199,18 +199,18 @@ class DraftTree:
         pos = torch.tensor([rp + self.nodes[x].depth for x in leaves])
         return Expansion(leaves, ids, pos, torch.arange(base, S), mask, torch.arange(m), False)
 
-    def add_children(self, exp: Expansion, logprobs: torch.Tensor, topk: int) -> None:
-        """Attach the ``topk`` most likely children of every node of ``exp``.
+    def add_children(self, exp: Expansion, values: torch.Tensor, ids: torch.Tensor) -> None:
+        """Attach the most likely children of every node of ``exp``.
 
-        ``logprobs`` is ``[m, vocab]`` float32 draft log-probabilities, one row per ``exp.nodes``.
-        Children are added heaviest first while the node cap allows.
+        ``values`` / ``ids``: ``[m, topk]`` float32 draft log-probabilities and int64 token ids
+        of each row's ``topk`` most likely tokens, heaviest first, one row per ``exp.nodes``
+        (:meth:`swiftspec.runner.ModelRunner.forward` with ``head=topk``). Children are added
+        heaviest first while the node cap allows.
         """
         if exp.catch_up:
             self.prefix_len += len(self.pending)
             self.pending = []
-        k = min(topk, logprobs.shape[-1])
-        vals, idx = logprobs.topk(k, dim=-1)
-        vals, idx = vals.tolist(), idx.tolist()
+        vals, idx = values.tolist(), ids.tolist()
         for row, node_id in enumerate(exp.nodes):
             node = self.nodes[node_id]
             node.expanded = True

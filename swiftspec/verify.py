@@ -36,6 +36,12 @@ class VerifyResult:
         return self.tokens[-1]
 
 
+def target_head(sampler: Sampler) -> str | None:
+    """What the target's forward returns per row for this request: "argmax" (greedy, no
+    log-probabilities: only the token ids leave the device) or None (the full logits)."""
+    return "argmax" if sampler.params.greedy and sampler.params.logprobs is None else None
+
+
 def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: Sampler,
          max_new: int | None = None) -> VerifyResult:
     """Walk the subgraph with the target's samples.
@@ -44,6 +50,9 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
         tokens: ``[bs]`` subgraph token ids, root first, parents before children.
         parents: ``[bs]`` parent index of each node (-1 for the root).
         logits: ``[bs, vocab]`` float32 target logits; row i predicts the token after node i.
+            Or, for a greedy request without log-probabilities, ``[bs]`` int64: each row's
+            argmax, reduced where the target ran (:meth:`swiftspec.runner.ModelRunner.forward`,
+            ``head="argmax"``).
         sampler: the request's sampler.
         max_new: stop after this many verified tokens (the request's remaining budget).
     Returns:
@@ -57,8 +66,11 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
     limit = max_new if max_new is not None else len(tokens)
     node, accepted, out, lps = 0, [], [], []
     want_lp = sampler.params.logprobs is not None
+    argmax = logits.tolist() if logits.dim() == 1 else None
+    if argmax is not None and (want_lp or not sampler.params.greedy):
+        raise ValueError("walk: argmax rows only serve a greedy request without log-probabilities")
     while True:
-        tok = sampler.sample(logits[node])
+        tok = argmax[node] if argmax is not None else sampler.sample(logits[node])
         out.append(tok)
         if want_lp:
             lps.append(sampler.logprob(logits[node], tok))

@@ -256,3 +256,29 @@ def test_sampled_output_follows_target_distribution(tiny_dir, slow_device, mode)
         accepted_any += sum(st.accepted) > 0
     assert chi_square_pvalue(counts, exact) > 1e-3
     assert accepted_any > n // 4, "the walk must descend into the tree, not only sample bonus tokens"
+
+
+def test_runner_heads_are_the_host_reductions(tiny_dir):
+    """The reductions the runner returns instead of logits (greedy tokens for the target, the
+    draft's top-k) are bit for bit the host's reductions of its logits; the walk on argmax rows
+    equals the walk on logits, and refuses them for a sampled request or one with logprobs."""
+    from swiftspec.verify import walk
+
+    runner = ModelRunner(str(tiny_dir), capacity=64)
+    n = len(PROMPT)
+    args = (torch.tensor(PROMPT), torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+            torch.arange(n))
+    logits = runner.forward(*args)
+    for head in ("argmax", 3):
+        got = runner.forward(*args, head)
+        if head == "argmax":
+            assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+        else:
+            vals, ids = torch.log_softmax(logits, -1).topk(3, dim=-1)
+            assert torch.equal(got[0], vals) and torch.equal(got[1], ids)
+    tokens, parents = PROMPT[:4], [-1, 0, 1, 1]
+    greedy = Sampler(SamplingParams())
+    assert walk(tokens, parents, logits[:4].argmax(-1), greedy) == walk(tokens, parents, logits[:4], greedy)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(logprobs=1)):
+        with pytest.raises(ValueError, match="argmax rows"):
+            walk(tokens, parents, logits[:4].argmax(-1), Sampler(params))

@@ -15,9 +15,14 @@ def _lp(pairs, vocab=16):
     return (row / row.sum()).log()
 
 
+def _add(tree, exp, logprobs, topk):
+    """Attach each row's ``topk`` most likely tokens, as the draft runner's top-k head gives them."""
+    tree.add_children(exp, *logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1))
+
+
 def _grow(tree, rows, topk=2, w=2):
     exp = tree.plan_expansion(w)
-    tree.add_children(exp, torch.stack([_lp(r) for r in rows[:len(exp.nodes)]]), topk)
+    _add(tree, exp, torch.stack([_lp(r) for r in rows[:len(exp.nodes)]]), topk)
     tree.check_invariants()
     return exp
 
@@ -27,7 +32,7 @@ def test_catch_up_then_expansion_mask():
     exp = t.plan_expansion(4)
     assert exp.catch_up and exp.input_ids.tolist() == [3, 7] and exp.slots.tolist() == [5, 6]
     assert exp.mask.shape == (2, 7) and exp.mask[0, 6].item() is False and exp.mask[1].all()
-    t.add_children(exp, _lp({1: 0.6, 2: 0.3}).unsqueeze(0), topk=2)
+    _add(t, exp, _lp({1: 0.6, 2: 0.3}).unsqueeze(0), 2)
     assert t.prefix_len == 7 and t.pending == [] and t.root_position == 6
     e2 = _grow(t, [{4: 0.9}, {5: 0.9}], topk=1, w=2)  # expands the two children of the root
     assert e2.slots.tolist() == [7, 8] and e2.positions.tolist() == [7, 7]
@@ -41,14 +46,14 @@ def test_catch_up_then_expansion_mask():
 
 def test_expansion_picks_heaviest_leaves():
     t = DraftTree(0, 1, [0])
-    t.add_children(t.plan_expansion(1), _lp({1: 0.5, 2: 0.3, 3: 0.15}).unsqueeze(0), topk=3)
+    _add(t, t.plan_expansion(1), _lp({1: 0.5, 2: 0.3, 3: 0.15}).unsqueeze(0), 3)
     exp = t.plan_expansion(2)
     assert [t.token_of(n) for n in exp.nodes] == [1, 2]
 
 
 def test_subgraph_is_ancestor_closed_top_bs():
     t = DraftTree(0, 1, [0])
-    t.add_children(t.plan_expansion(1), _lp({1: 0.9, 2: 0.05}).unsqueeze(0), topk=2)
+    _add(t, t.plan_expansion(1), _lp({1: 0.9, 2: 0.05}).unsqueeze(0), 2)
     _grow(t, [{3: 0.9, 4: 0.05}, {5: 0.5, 6: 0.5}], topk=2, w=2)
     sg = t.subgraph(4)
     assert sg.tokens[0] == 0 and sg.parents[0] == -1
@@ -62,7 +67,7 @@ def test_subgraph_is_ancestor_closed_top_bs():
 
 def test_reroot_hit_moves_path_and_compacts_subtree():
     t = DraftTree(0, 10, [0])
-    t.add_children(t.plan_expansion(1), _lp({1: 0.6, 2: 0.3}).unsqueeze(0), topk=2)   # root -> 1, 2
+    _add(t, t.plan_expansion(1), _lp({1: 0.6, 2: 0.3}).unsqueeze(0), 2)   # root -> 1, 2
     _grow(t, [{3: 0.9}, {4: 0.9}], topk=1, w=2)   # 1 (slot 0) -> 3 ; 2 (slot 1) -> 4
     _grow(t, [{5: 0.9}, {6: 0.9}], topk=1, w=2)   # 3 (slot 2) -> 5 ; 4 (slot 3) -> 6
     assert t.prefix_len == 11
@@ -79,7 +84,7 @@ def test_reroot_hit_moves_path_and_compacts_subtree():
 
 def test_reroot_keeps_expanded_descendants():
     t = DraftTree(0, 4, [0])
-    t.add_children(t.plan_expansion(1), _lp({1: 0.9}).unsqueeze(0), topk=1)
+    _add(t, t.plan_expansion(1), _lp({1: 0.9}).unsqueeze(0), 1)
     _grow(t, [{2: 0.5, 3: 0.4}], topk=2, w=1)        # 1 slot0 -> 2, 3
     _grow(t, [{4: 0.9}, {5: 0.9}], topk=1, w=2)      # 2 slot1, 3 slot2
     _grow(t, [{6: 0.9}, {7: 0.9}], topk=1, w=2)      # 4 slot3, 5 slot4
@@ -92,7 +97,7 @@ def test_reroot_keeps_expanded_descendants():
 
 def test_reroot_miss_restarts_with_pending():
     t = DraftTree(0, 4, [0])
-    t.add_children(t.plan_expansion(1), _lp({1: 0.9}).unsqueeze(0), topk=1)
+    _add(t, t.plan_expansion(1), _lp({1: 0.9}).unsqueeze(0), 1)
     _grow(t, [{2: 0.9}], topk=1, w=1)                 # 1 slot0 -> 2 (unexpanded)
     r = t.reroot([1, 2, 9])                           # 1 has KV, 2 has none, 9 not in the tree
     assert not r.hit and r.src_slots == [5] and r.dst_slots == [5]
@@ -103,7 +108,7 @@ def test_reroot_miss_restarts_with_pending():
 
 def test_caps_stop_expansion():
     t = DraftTree(0, 1, [0], max_nodes=6, max_cached=2)
-    t.add_children(t.plan_expansion(1), _lp({1: 0.5, 2: 0.3, 3: 0.1}).unsqueeze(0), topk=3)
+    _add(t, t.plan_expansion(1), _lp({1: 0.5, 2: 0.3, 3: 0.1}).unsqueeze(0), 3)
     _grow(t, [{4: 0.9}, {5: 0.9}], topk=1, w=2)
     assert t.num_nodes == 6 and not t.can_expand(1)
     with pytest.raises(RuntimeError):
