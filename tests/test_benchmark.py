@@ -305,3 +305,29 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
                    for line in readme.splitlines()), system
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
+
+
+def test_device_forward_on_cpu_with_random_weights(tmp_path):
+    """bench/device_forward.py (the GPU benchmark's component table) runs on CPU too: the shipped
+    configs are the default pair's shapes, a shrunk copy runs here; the record has a time and a
+    fraction of the bandwidth limit per row count, and the weight bytes of that shape."""
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    spec = importlib.util.spec_from_file_location("device_forward", bench / "device_forward.py")
+    df = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(df)
+    shipped = {p.name: json.loads(p.read_text()) for p in df.DEFAULT_MODELS}
+    assert shipped["qwen2.5-coder-1.5b-instruct.json"]["hidden_size"] == 1536
+    assert shipped["qwen2.5-coder-0.5b-instruct.json"]["num_hidden_layers"] == 24
+    cfg = dict(shipped["qwen2.5-coder-0.5b-instruct.json"], hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    rec = df.main(["--device", "cpu", "--dtype", "float32", "--rows", "1", "2", "--rounds", "2", "--context", "16",
+                   "--models", str(tmp_path / "tiny.json"), "--logits-vocab", "128", "--out", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == rec and rec["device"] == "cpu"
+    assert [r["rows"] for r in rec["rows"]] == [1, 2] and all(r["eager_s"] > 0 and r["of_limit"] > 0 for r in rec["rows"])
+    layer = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # q, o; k, v (2 KV heads x 16); gate, up, down
+    biases = 4 * (64 + 32 + 32)  # qwen2's q/k/v biases
+    assert rec["rows"][0]["weight_bytes"] == 2 * (layer + biases) + 4 * 128 * 64  # the LM head's first 128 rows

@@ -1,0 +1,179 @@
+"""Forward time of a model of the real shapes with random weights, on any device, against its memory bandwidth.
+
+The component table of the GPU benchmark, runnable where the checkpoints cannot go: the shapes
+come from a ``config.json`` shipped in ``bench/models/`` (the default pair's), the weights are
+random (a forward's time does not depend on their values), nothing is read from a model hub or
+the cache. For each model and row count (1 row: an autoregressive step; ``bs`` rows: a
+verification; ``w`` rows: a draft expansion) it times one forward plus the LM head of every row
+over a KV cache already holding ``--context`` tokens: eagerly, and on CUDA also as a CUDA-graph
+replay (:class:`swiftspec.graphs.PaddedStep`, the LM head outside the graph). Each time is set
+against the weight bytes one forward reads over the device's read bandwidth: on CUDA a
+device-to-device copy's bytes read plus written, halved, over its time (the "HBM limit"); on CPU
+the best of 5 ``torch.sum`` passes over 1 GiB with the forward's thread count (as
+bench/native_forward.py). Medians of ``--rounds`` steps, after warm-up.
+
+    python bench/device_forward.py --device cuda --out results.json
+    python bench/device_forward.py --device cpu --dtype float32 --rows 1 2 --models bench/models/qwen2.5-coder-0.5b-instruct.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODELS = [HERE / "models" / "qwen2.5-coder-1.5b-instruct.json", HERE / "models" / "qwen2.5-coder-0.5b-instruct.json"]
+
+
+def read_bandwidth(device: torch.device, threads: int) -> float:
+    """Bytes per second one direction of the device's memory sustains (see the module docstring)."""
+    if device.type == "cuda":
+        src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t)
+        return src.numel() * 2 / 2 / best
+    torch.set_num_threads(threads)
+    big = torch.ones(2 ** 28)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    return big.numel() * 4 / best
+
+
+def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """Our model of ``config``'s shapes, random weights (normal, std ``initializer_range``; norms 1), on ``device``."""
+    from swiftspec.models.config import ModelConfig
+    from swiftspec.models.llama import LlamaForCausalLM
+
+    raw = json.loads(config.read_text())
+    cfg = ModelConfig.from_dict(raw)
+    model = LlamaForCausalLM(cfg, dtype=dtype, max_positions=max_positions)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=gen) * raw.get("initializer_range", 0.02))
+    return model.to(device).eval()
+
+
+def weight_bytes(model, vocab: int | None) -> int:
+    """Bytes of the weights one forward reads: the decoder layers' and the LM-head rows below ``vocab``."""
+    layers = sum(p.numel() * p.element_size() for n, p in model.layers.named_parameters() if "norm" not in n)
+    head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+    return layers + head * min(vocab or model.cfg.vocab_size, model.cfg.vocab_size) // model.cfg.vocab_size
+
+
+def _timed(fn, device: torch.device, rounds: int) -> float:
+    """Median seconds of ``fn()`` over ``rounds`` calls after two warm-up calls."""
+    times = []
+    for i in range(rounds + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def time_model(model, device: torch.device, rows: list[int], context: int, rounds: int, graphs: bool,
+               vocab: int | None) -> list[dict]:
+    """Eager (and graph-replay) seconds of a forward plus the LM head at each row count."""
+    from swiftspec.graphs import PaddedStep
+
+    capacity = context + max(rows)
+    kv = model.make_kv_cache(capacity, device)
+    n_ids = min(1000, model.cfg.vocab_size)
+    with torch.no_grad():
+        ids = torch.randint(0, n_ids, (context,), device=device)
+        pos = torch.arange(context, device=device)
+        model(ids, pos, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(), kv)
+        step = PaddedStep(lambda i, p, s, m: model(i, p, s, m, kv), rows, capacity, device, use_graphs=graphs)
+        out = []
+        for n in rows:
+            ids = torch.randint(0, n_ids, (n,), device=device)
+            pos = torch.full((n,), context, device=device)
+            slots = torch.arange(context, context + n, device=device)
+            mask = torch.zeros(n, capacity, dtype=torch.bool, device=device)
+            mask[:, : context + 1] = True
+            eager = _timed(lambda: model.compute_logits(model(ids, pos, slots, mask, kv), vocab), device, rounds)
+            rec = {"rows": n, "eager_s": eager}
+            if graphs:
+                rec["graph_s"] = _timed(lambda: model.compute_logits(step(ids, pos, slots, mask), vocab), device,
+                                        rounds)
+            out.append(rec)
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", type=Path, default=DEFAULT_MODELS, help="config.json files of the shapes")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    ap.add_argument("--no-graphs", action="store_true", help="eager only (CPU is always eager)")
+    ap.add_argument("--logits-vocab", type=int, nargs="+", default=None,
+                    help="LM-head rows per model, in --models order (the draft's restriction); default all")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    graphs = device.type == "cuda" and not args.no_graphs
+    dtype = getattr(torch, args.dtype)
+    bw = read_bandwidth(device, threads)
+    print(f"{device}: read bandwidth {bw / 1e9:.1f} GB/s ({'d2d copy' if device.type == 'cuda' else 'torch.sum'})",
+          flush=True)
+    results = []
+    for i, config in enumerate(args.models):
+        vocab = args.logits_vocab[i] if args.logits_vocab and i < len(args.logits_vocab) else None
+        model = random_model(config, dtype, device, args.context + max(args.rows) + 64)
+        nbytes = weight_bytes(model, vocab)
+        limit = nbytes / bw
+        for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab):
+            best = min(rec["eager_s"], rec.get("graph_s", float("inf")))
+            rec.update(model=config.stem, weight_bytes=nbytes, limit_s=limit, of_limit=limit / best)
+            results.append(rec)
+            graph = f"{rec['graph_s'] * 1e3:8.3f} ms graph" if "graph_s" in rec else ""
+            print(f"{config.stem:32s} rows={rec['rows']:2d} {rec['eager_s'] * 1e3:8.3f} ms eager {graph}  "
+                  f"limit {limit * 1e3:.3f} ms: {rec['of_limit']:.0%} of it", flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    from swiftspec.benchmark.e2e import machine_record
+
+    record = {"command": "python bench/device_forward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              **machine_record(), "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "dtype": args.dtype, "context": args.context, "threads": threads, "bandwidth_gb_s": bw / 1e9,
+              "rows": results}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
