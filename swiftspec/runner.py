@@ -33,7 +33,8 @@ class ModelRunner:
             keys in tree slots: the pipeline modes; see :class:`swiftspec.models.kv_cache.KVCache`).
         device: where the weights, the KV cache and the step inputs live (the caller sets the
             current CUDA device first). The scheduler's tensors are built on the host; each
-            forward moves them here and its logits back.
+            forward moves them here in one copy (:class:`StagingBuffer`) and returns its result
+            (logits or their reduction, see :meth:`forward`) to the host.
         stream_priority: on CUDA, run this model's work on a stream of its own with this
             priority (-1 high, 0 low; the colocated mode gives the target -1, the draft 0), so
             a launched forward (:meth:`launch`) overlaps the other model's; None: the current
@@ -45,6 +46,7 @@ class ModelRunner:
                  weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None,
                  track_positions: bool = False, stream_priority: int | None = None):
         self.device = torch.device(device)
+        self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.stream = None
         if self.device.type == "cuda" and stream_priority is not None:
             self.stream = torch.cuda.Stream(self.device, priority=stream_priority)
@@ -86,11 +88,13 @@ class ModelRunner:
             if dev.type == "cuda":
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
-                input_ids, positions, slots, mask = (t.to(dev) for t in (input_ids, positions, slots, mask))
+                rows = logits_rows if logits_rows is not None else torch.empty(0, dtype=torch.long)
+                input_ids, positions, slots, mask, rows = self.staging.to_device(input_ids, positions, slots, mask, rows)
+                logits_rows = rows if logits_rows is not None else None
             h = self.model(input_ids, positions, slots, mask, self.kv)
             out = None
             if logits_rows is not None and logits_rows.numel():
-                out = _reduce(self.model.compute_logits(h[logits_rows.to(dev)], self.logits_vocab), head)
+                out = _reduce(self.model.compute_logits(h[logits_rows], self.logits_vocab), head)
             if timing is not None:
                 timing[1].record()
         self.forward_tokens += int(input_ids.numel())
@@ -121,6 +125,50 @@ class ModelRunner:
 
     def stats(self) -> dict:
         return {"busy_s": self.busy_s, "forward_tokens": self.forward_tokens, "forwards": self.forwards}
+
+
+class StagingBuffer:
+    """Host tensors to the device in one transfer: packed into one pinned host buffer, copied
+    with one non-blocking copy on the current stream, returned as views of one device buffer
+    (the step's ids, positions, slots, mask and logits rows: one copy instead of five). Both
+    buffers grow as needed. Before the host buffer is rewritten, the previous copy is waited
+    for; the device views stay valid until the next :meth:`to_device` on the same stream (which
+    runs after the work that read them). On CPU (tests) nothing is pinned; the same packing.
+    """
+
+    ALIGN = 8  # every piece starts at a multiple of the widest element (int64)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = self.dev = None
+        self._copied = None  # CUDA event after the last copy
+
+    def to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """``tensors`` (host, any shapes and dtypes) as tensors on the device, in order."""
+        if any(t.device.type != "cpu" for t in tensors):  # not host tensors: no staging
+            return [t.to(self.device) for t in tensors]
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        if self.host is None or self.host.numel() < total:
+            size = max(total, 2 * (0 if self.host is None else self.host.numel()), 4096)
+            if self._copied is not None:
+                self._copied.synchronize()
+            pin = self.device.type == "cuda"
+            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self.dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+        elif self._copied is not None:
+            self._copied.synchronize()  # the previous copy still reads the host buffer
+        for t, o in zip(tensors, offsets):
+            n = t.numel() * t.element_size()
+            self.host[o:o + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return [self.dev[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for t, o in zip(tensors, offsets)]
 
 
 def _reduce(logits: torch.Tensor, head: str | int | None):

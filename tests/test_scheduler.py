@@ -282,3 +282,19 @@ def test_runner_heads_are_the_host_reductions(tiny_dir):
     for params in (SamplingParams(temperature=1.0), SamplingParams(logprobs=1)):
         with pytest.raises(ValueError, match="argmax rows"):
             walk(tokens, parents, logits[:4].argmax(-1), Sampler(params))
+
+
+def test_staging_buffer_packs_a_step_into_one_copy():
+    """The step inputs (any shapes and dtypes, empty ones included) come out equal, in order,
+    as views of one buffer, which grows for a bigger step and is reused for a smaller one (the
+    CUDA runner's path, here on the host: nothing pinned, the same packing)."""
+    from swiftspec.runner import StagingBuffer
+
+    buf = StagingBuffer(torch.device("cpu"))
+    for n, width in ((3, 10), (40, 700), (2, 5)):
+        step = (torch.randint(0, 9, (n,)), torch.arange(n), torch.arange(n) * 7, torch.rand(n, width) > 0.5,
+                torch.empty(0, dtype=torch.long), torch.randn(n, 3))
+        out = buf.to_device(*step)
+        assert all(o.dtype == t.dtype and o.shape == t.shape and torch.equal(o, t) for o, t in zip(out, step))
+        assert all(o.untyped_storage().data_ptr() == buf.dev.untyped_storage().data_ptr() for o in out)
+    assert buf.dev.numel() >= 40 * 700
