@@ -44,6 +44,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="use the compiled kernels (CPU twins / CUDA) where available (default: on)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="on CUDA, replay decode steps from CUDA graphs (default: on)")
 
 
 def _env_int(name: str) -> int | None:
@@ -60,8 +62,8 @@ def _int_list(s: str) -> list[int]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
-            "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels", "pipeline_stages", "pipeline_order",
-            "remote_stages", "master_addr", "master_port"]
+            "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels", "cuda_graphs", "pipeline_stages",
+            "pipeline_order", "remote_stages", "master_addr", "master_port"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

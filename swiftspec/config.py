@@ -76,6 +76,9 @@ class EngineConfig:
             LL all-reduce, fused GEMM + all-reduce, fused SwiGLU, tree attention) where available;
             False runs PyTorch ops and gloo/NCCL collectives only. Default: on unless the
             environment has ``SWIFTSPEC_KERNELS=0``.
+        cuda_graphs: on CUDA, replay each decode step (not the prefill) from a CUDA graph
+            captured per bucket of rows (powers of two up to the tree's ``bs`` / expansion sizes;
+            :class:`swiftspec.graphs.PaddedStep`); ignored on CPU. Not yet run on GPU hardware.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
@@ -107,6 +110,7 @@ class EngineConfig:
     draft_quant: str = "int8"
     draft_vocab: int | None = 32768
     kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
+    cuda_graphs: bool = True
     start_timeout_s: float = 600.0
 
     def __post_init__(self):

@@ -35,6 +35,10 @@ class ModelRunner:
             current CUDA device first). The scheduler's tensors are built on the host; each
             forward moves them here in one copy (:class:`StagingBuffer`) and returns its result
             (logits or their reduction, see :meth:`forward`) to the host.
+        graph_sizes: run steps of up to ``max(graph_sizes)`` rows padded to these bucket sizes
+            (:class:`swiftspec.graphs.PaddedStep`: on CUDA each bucket is captured once as a
+            CUDA graph and replayed; on CPU the same padded step runs eagerly, for tests);
+            bigger steps (the prefill) run as they are. None: no padding.
         stream_priority: on CUDA, run this model's work on a stream of its own with this
             priority (-1 high, 0 low; the colocated mode gives the target -1, the draft 0), so
             a launched forward (:meth:`launch`) overlaps the other model's; None: the current
@@ -44,7 +48,8 @@ class ModelRunner:
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
                  weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None,
-                 track_positions: bool = False, stream_priority: int | None = None):
+                 track_positions: bool = False, stream_priority: int | None = None,
+                 graph_sizes: list[int] | None = None):
         self.device = torch.device(device)
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.stream = None
@@ -61,6 +66,12 @@ class ModelRunner:
         self.cfg = self.model.cfg
         self.kv = self.model.make_kv_cache(capacity, self.device, track_positions)
         self.capacity = capacity
+        self.step = None
+        if graph_sizes:
+            from swiftspec.graphs import PaddedStep
+
+            self.step = PaddedStep(lambda i, p, s, m: self.model(i, p, s, m, self.kv), graph_sizes, capacity,
+                                   self.device)
         self.busy_s = 0.0
         self.forward_tokens = 0
         self.forwards = 0
@@ -91,7 +102,8 @@ class ModelRunner:
                 rows = logits_rows if logits_rows is not None else torch.empty(0, dtype=torch.long)
                 input_ids, positions, slots, mask, rows = self.staging.to_device(input_ids, positions, slots, mask, rows)
                 logits_rows = rows if logits_rows is not None else None
-            h = self.model(input_ids, positions, slots, mask, self.kv)
+            h = (self.step(input_ids, positions, slots, mask) if self.step is not None
+                 else self.model(input_ids, positions, slots, mask, self.kv))
             out = None
             if logits_rows is not None and logits_rows.numel():
                 out = _reduce(self.model.compute_logits(h[logits_rows], self.logits_vocab), head)

@@ -66,6 +66,7 @@ class WorkerSpec:
     draft_vocab: int | None = None
     draft_quant: str | None = None
     kernels: bool = True
+    cuda_graphs: bool = False
     tokenizer_file: str | None = None
     stages: int = 1
     stage_layers: list[tuple[int, int]] | None = None
@@ -79,6 +80,16 @@ class WorkerSpec:
 
 
 PIPELINE_LEADERS = ("pipedec", "pipeinfer", "pipeline-autoregressive")
+
+
+def graph_buckets(most: int) -> list[int]:
+    """CUDA-graph buckets of a model's decode steps: powers of two up to the first one >= ``most``
+    (the target verifies up to ``bs`` rows; a draft expansion has ``w`` rows, a catch-up up to
+    the tokens verified since, at most ``bs``; bigger steps, the prefill among them, run eagerly)."""
+    sizes = [1]
+    while sizes[-1] < most:
+        sizes.append(2 * sizes[-1])
+    return sizes
 
 
 def _capacity(spec: WorkerSpec, role: str) -> int:
@@ -107,6 +118,8 @@ def _setup(spec: WorkerSpec):
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
         if spec.kind == "colocated":  # a CUDA stream per model, the target's verification first
             extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
+        if spec.cuda_graphs and device.type == "cuda":
+            extra["graph_sizes"] = graph_buckets(spec.tree.bs if role == ROLE_TARGET else 2 * spec.tree.bs)
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
     return runners

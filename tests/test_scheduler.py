@@ -298,3 +298,28 @@ def test_staging_buffer_packs_a_step_into_one_copy():
         assert all(o.dtype == t.dtype and o.shape == t.shape and torch.equal(o, t) for o, t in zip(out, step))
         assert all(o.untyped_storage().data_ptr() == buf.dev.untyped_storage().data_ptr() for o in out)
     assert buf.dev.numel() >= 40 * 700
+
+
+@pytest.mark.parametrize("loop", ["serial", "colocated"])
+def test_decode_steps_padded_to_graph_buckets_stay_lossless(tiny_dir, tiny_draft_dir, greedy_reference, loop,
+                                                            monkeypatch):
+    """Decode steps padded to CUDA-graph buckets (the CUDA runner replays them from graphs; on
+    CPU the same padded step runs eagerly): the padding rows and mask columns change nothing,
+    the prefill (bigger than every bucket) runs as it is."""
+    from swiftspec.graphs import PaddedStep
+    from swiftspec.worker import graph_buckets
+
+    padded = Counter()
+    fill = PaddedStep._fill
+    monkeypatch.setattr(PaddedStep, "_fill", lambda self, n, *a: padded.update([self.bucket(n)]) or fill(self, n, *a))
+
+    assert graph_buckets(8) == [1, 2, 4, 8] and graph_buckets(5) == [1, 2, 4, 8] and graph_buckets(1) == [1]
+    target = TargetState(RunnerHandle("target", ModelRunner(str(tiny_dir), capacity=512,
+                                                            graph_sizes=graph_buckets(8)), []))
+    draft = DraftState(RunnerHandle("draft", ModelRunner(str(tiny_draft_dir), capacity=1024,
+                                                         graph_sizes=graph_buckets(16)), []), TreeParams())
+    out, emit = _collect()
+    st = getattr(scheduler, f"run_{loop}")(draft, target, _req(d=2), emit)
+    assert out == greedy_reference and sum(st.accepted) > 0
+    assert target.runner.runner.step.sizes == [1, 2, 4, 8]
+    assert sum(padded.values()) >= st.verifications + draft.expansions and set(padded) <= {1, 2, 4, 8, 16}
