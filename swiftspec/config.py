@@ -78,7 +78,8 @@ class EngineConfig:
             environment has ``SWIFTSPEC_KERNELS=0``.
         cuda_graphs: on CUDA, replay each decode step (not the prefill) from a CUDA graph
             captured per bucket of rows (powers of two up to the tree's ``bs`` / expansion sizes;
-            :class:`swiftspec.graphs.PaddedStep`); ignored on CPU. Not yet run on GPU hardware.
+            :class:`swiftspec.graphs.PaddedStep`); TP = 1 only (at TP > 1 steps run eagerly); ignored
+            on CPU. Not yet run on GPU hardware.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 

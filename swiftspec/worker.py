@@ -118,7 +118,7 @@ def _setup(spec: WorkerSpec):
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
         if spec.kind == "colocated":  # a CUDA stream per model, the target's verification first
             extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
-        if spec.cuda_graphs and device.type == "cuda":
+        if spec.cuda_graphs and device.type == "cuda" and tp.size == 1:  # collectives are not captured
             extra["graph_sizes"] = graph_buckets(spec.tree.bs if role == ROLE_TARGET else 2 * spec.tree.bs)
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
