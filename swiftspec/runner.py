@@ -36,8 +36,8 @@ class ModelRunner:
             forward moves them here in one copy (:class:`StagingBuffer`) and returns its result
             (logits or their reduction, see :meth:`forward`) to the host.
         graph_sizes: run steps of up to ``max(graph_sizes)`` rows padded to these bucket sizes
-            (:class:`swiftspec.graphs.PaddedStep`: on CUDA each bucket is captured once as a
-            CUDA graph and replayed; on CPU the same padded step runs eagerly, for tests);
+            (:class:`swiftspec.graphs.PaddedStep`: on CUDA every bucket is captured here, at
+            load, as a CUDA graph and replayed; on CPU the same padded step runs eagerly, for tests);
             bigger steps (the prefill) run as they are. None: no padding.
         stream_priority: on CUDA, run this model's work on a stream of its own with this
             priority (-1 high, 0 low; the colocated mode gives the target -1, the draft 0), so
@@ -72,6 +72,10 @@ class ModelRunner:
 
             self.step = PaddedStep(lambda i, p, s, m: self.model(i, p, s, m, self.kv), graph_sizes, capacity,
                                    self.device)
+            if self.step.use_graphs:  # every bucket now, so no request pays for a capture
+                with self._on_stream():
+                    for n in self.step.sizes:
+                        self.step.capture(n)
         self.busy_s = 0.0
         self.forward_tokens = 0
         self.forwards = 0
