@@ -7,6 +7,7 @@ group execute the same sequence of collectives (docs/architecture.md §1).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from multiprocessing.connection import Connection
 
@@ -73,9 +74,13 @@ class ModelRunner:
             self.step = PaddedStep(lambda i, p, s, m: self.model(i, p, s, m, self.kv), graph_sizes, capacity,
                                    self.device)
             if self.step.use_graphs:  # every bucket now, so no request pays for a capture
-                with self._on_stream():
-                    for n in self.step.sizes:
-                        self.step.capture(n)
+                try:
+                    with self._on_stream():
+                        for n in self.step.sizes:
+                            self.step.capture(n)
+                except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why once
+                    print(f"swiftspec: CUDA graph capture failed, decode steps run eagerly: {e}", file=sys.stderr)
+                    self.step = None
         self.busy_s = 0.0
         self.forward_tokens = 0
         self.forwards = 0
