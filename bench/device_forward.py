@@ -13,7 +13,8 @@ the best of 5 ``torch.sum`` passes over 1 GiB with the forward's thread count (a
 bench/native_forward.py). Medians of ``--rounds`` steps, after warm-up.
 
     python bench/device_forward.py --device cuda --out results.json
-    python bench/device_forward.py --device cpu --dtype float32 --rows 1 2 --models bench/models/qwen2.5-coder-0.5b-instruct.json
+    python bench/device_forward.py --device cpu --dtype float32 --rows 1 2 \
+        --models bench/models/qwen2.5-coder-0.5b-instruct.json
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_MODELS = [HERE / "models" / "qwen2.5-coder-1.5b-instruct.json", HERE / "models" / "qwen2.5-coder-0.5b-instruct.json"]
+DEFAULT_MODELS = [HERE / "models" / "qwen2.5-coder-1.5b-instruct.json",
+                  HERE / "models" / "qwen2.5-coder-0.5b-instruct.json"]
 
 
 def read_bandwidth(device: torch.device, threads: int) -> float:

@@ -109,7 +109,8 @@ class ModelRunner:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
                 rows = logits_rows if logits_rows is not None else torch.empty(0, dtype=torch.long)
-                input_ids, positions, slots, mask, rows = self.staging.to_device(input_ids, positions, slots, mask, rows)
+                input_ids, positions, slots, mask, rows = self.staging.to_device(input_ids, positions, slots, mask,
+                                                                                 rows)
                 logits_rows = rows if logits_rows is not None else None
             h = (self.step(input_ids, positions, slots, mask) if self.step is not None
                  else self.model(input_ids, positions, slots, mask, self.kv))

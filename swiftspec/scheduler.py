@@ -149,17 +149,26 @@ def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecke
     return stats
 
 
+def _prefill_both(draft: DraftState, target: TargetState, req: Request, sampler: Sampler, stop: StopChecker,
+                  emit) -> bool:
+    """Prefill both models and root the draft's tree at the target's first token; False when
+    that token already ended the request."""
+    draft.prefill(req.prompt_ids)
+    first = _prefill_target(target, req, sampler, stop, emit)
+    if stop.reason:
+        return False
+    draft.start(first)
+    return True
+
+
 def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
                stop: StopChecker | None = None) -> TargetStats:
     """SwiftSpec-base: ``d`` expansions, then one verification, then re-root; one device group."""
     d = req.d if req.d is not None else SERIAL_D
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
-    draft.prefill(req.prompt_ids)
-    first = _prefill_target(target, req, sampler, stop, emit)
-    if stop.reason:
+    if not _prefill_both(draft, target, req, sampler, stop, emit):
         stats.reason = stop.reason
         return stats
-    draft.start(first)
     while True:
         for _ in range(d):
             if draft.can_expand():
@@ -184,12 +193,9 @@ def run_colocated(draft: DraftState, target: TargetState, req: Request, emit,
     expansion overlaps a verification and each iteration verifies what the re-rooted tree fills
     (serial with ``d`` = 0). Lossless either way: every token is the target's own sample."""
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
-    draft.prefill(req.prompt_ids)
-    first = _prefill_target(target, req, sampler, stop, emit)
-    if stop.reason:
+    if not _prefill_both(draft, target, req, sampler, stop, emit):
         stats.reason = stop.reason
         return stats
-    draft.start(first)
     draft.fill()
     while True:
         sg = draft.subgraph()

@@ -30,8 +30,8 @@ class WorkerSpec:
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
         kind: this group's job: "target" (async target group), "draft" (async draft group),
-            "serial" or "colocated" (both models), "autoregressive" (target only), "pipedec" / "pipeinfer" /
-            "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
+            "serial" or "colocated" (both models), "autoregressive" (target only), "pipedec" /
+            "pipeinfer" / "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
         stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
             decoder layers ``(start, stop)`` of every stage (the leader's plan); master_addr: the
@@ -84,8 +84,9 @@ PIPELINE_LEADERS = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 
 def graph_buckets(most: int) -> list[int]:
     """CUDA-graph buckets of a model's decode steps: powers of two up to the first one >= ``most``
-    (the target verifies up to ``bs`` rows; a draft expansion has ``w`` rows, a catch-up up to
-    the tokens verified since, at most ``bs``; bigger steps, the prefill among them, run eagerly)."""
+    (the worker asks for ``bs`` for the target, whose verifications have up to ``bs`` rows, and
+    ``2 bs`` for the draft, whose expansions have ``w`` rows and catch-ups the tokens verified
+    since; bigger steps, the prefill among them, run eagerly)."""
     sizes = [1]
     while sizes[-1] < most:
         sizes.append(2 * sizes[-1])

@@ -327,7 +327,8 @@ def test_device_forward_on_cpu_with_random_weights(tmp_path):
     rec = df.main(["--device", "cpu", "--dtype", "float32", "--rows", "1", "2", "--rounds", "2", "--context", "16",
                    "--models", str(tmp_path / "tiny.json"), "--logits-vocab", "128", "--out", str(tmp_path / "r.json")])
     assert json.loads((tmp_path / "r.json").read_text()) == rec and rec["device"] == "cpu"
-    assert [r["rows"] for r in rec["rows"]] == [1, 2] and all(r["eager_s"] > 0 and r["of_limit"] > 0 for r in rec["rows"])
+    assert [r["rows"] for r in rec["rows"]] == [1, 2]
+    assert all(r["eager_s"] > 0 and r["of_limit"] > 0 for r in rec["rows"])
     layer = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # q, o; k, v (2 KV heads x 16); gate, up, down
     biases = 4 * (64 + 32 + 32)  # qwen2's q/k/v biases
     assert rec["rows"][0]["weight_bytes"] == 2 * (layer + biases) + 4 * 128 * 64  # the LM head's first 128 rows
