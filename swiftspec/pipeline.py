@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 LEADER = 0
-# a stage whose heartbeat has not advanced for this long is reported gone (seconds)
-HEARTBEAT_LIMIT_S = 3.0
+# a stage whose heartbeat has not advanced for this long is reported gone (seconds: above the scheduling
+# delays of a busy 2-core machine, short enough to report a lost host within 10 s)
+HEARTBEAT_LIMIT_S = 5.0
 
 
 def partition_layers(layer_bytes: list[int], stages: int, head_bytes: int = 0, first_bytes: int = 0) -> list[range]:
