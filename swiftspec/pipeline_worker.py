@@ -60,7 +60,8 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
         plan.model_digest = digest
     plan, peers = exchange_plan(plan, digest)
     ops.set_kernels(plan.kernels)
-    ops.cpu_dispatch()  # load (or build) the CPU kernels now: no stage pauses once heartbeats run
+    if plan.kernels:
+        ops.cpu_dispatch()  # load (or build) the CPU kernels now: no stage pauses once heartbeats run
     dtype = getattr(torch, plan.dtype)
     cap = capacity(plan.max_model_len, plan.width, stages)
     # verified keys stay in tree slots between misses: the caches record each slot's position

@@ -108,10 +108,8 @@ class ModelRunner:
             if dev.type == "cuda":
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
-                rows = logits_rows if logits_rows is not None else torch.empty(0, dtype=torch.long)
-                input_ids, positions, slots, mask, rows = self.staging.to_device(input_ids, positions, slots, mask,
-                                                                                 rows)
-                logits_rows = rows if logits_rows is not None else None
+                input_ids, positions, slots, mask, logits_rows = self.staging.to_device(
+                    input_ids, positions, slots, mask, logits_rows)
             h = (self.step(input_ids, positions, slots, mask) if self.step is not None
                  else self.model(input_ids, positions, slots, mask, self.kv))
             out = None
@@ -165,32 +163,30 @@ class StagingBuffer:
         self.host = self.dev = None
         self._copied = None  # CUDA event after the last copy
 
-    def to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """``tensors`` (host, any shapes and dtypes) as tensors on the device, in order."""
-        if any(t.device.type != "cpu" for t in tensors):  # not host tensors: no staging
-            return [t.to(self.device) for t in tensors]
+    def to_device(self, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """``tensors`` (host, any shapes and dtypes; None passes through) on the device, in order."""
+        present = [t for t in tensors if t is not None]
+        if any(t.device.type != "cpu" for t in present):  # not host tensors: no staging
+            return [None if t is None else t.to(self.device) for t in tensors]
         offsets, total = [], 0
-        for t in tensors:
+        for t in present:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy still reads the host buffer
         if self.host is None or self.host.numel() < total:
             size = max(total, 2 * (0 if self.host is None else self.host.numel()), 4096)
-            if self._copied is not None:
-                self._copied.synchronize()
-            pin = self.device.type == "cuda"
-            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self.dev = torch.empty(size, dtype=torch.uint8, device=self.device)
-        elif self._copied is not None:
-            self._copied.synchronize()  # the previous copy still reads the host buffer
-        for t, o in zip(tensors, offsets):
-            n = t.numel() * t.element_size()
-            self.host[o:o + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        for t, o in zip(present, offsets):
+            self.host[o:o + t.numel() * t.element_size()].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         self.dev[:total].copy_(self.host[:total], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return [self.dev[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                for t, o in zip(tensors, offsets)]
+        views = iter(self.dev[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                     for t, o in zip(present, offsets))
+        return [None if t is None else next(views) for t in tensors]
 
 
 def _reduce(logits: torch.Tensor, head: str | int | None):
@@ -210,29 +206,24 @@ class Launched:
 
     def __init__(self, runner: ModelRunner, out: torch.Tensor | None, t0: float,
                  timing: tuple[torch.cuda.Event, torch.cuda.Event] | None):
-        self.runner, self.out, self.timing = runner, out, timing  # timing: start and end events (CUDA)
-        if timing is None:  # CPU: the work is done
+        # timing: the start and end events on CUDA, None once waited for (on CPU: at once, the work is done)
+        self.runner, self.out, self.timing = runner, out, timing
+        if timing is None:
             runner.busy_s += time.perf_counter() - t0
-        self._result: torch.Tensor | None = None
-        self._waited = False
 
     def done(self) -> bool:
         return self.timing is None or self.timing[1].query()
 
-    def result(self) -> torch.Tensor | None:
-        if self._waited:
-            return self._result
-        self._waited = True
-        out = self.out
+    def result(self):
         if self.timing is not None:
             start, end = self.timing
             end.synchronize()
+            self.timing = None
             self.runner.busy_s += start.elapsed_time(end) / 1e3  # busy time is device time
-            if out is not None:
+            if self.out is not None:
                 with self.runner._on_stream():  # the stream that produced it
-                    out = tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
-        self._result, self.out = out, None
-        return out
+                    self.out = tuple(t.cpu() for t in self.out) if isinstance(self.out, tuple) else self.out.cpu()
+        return self.out
 
 
 class RunnerHandle:

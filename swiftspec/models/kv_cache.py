@@ -33,11 +33,9 @@ class KVCache:
         # Without, verified keys sit at the slots of their positions (the re-root's compaction).
         self.pos = torch.arange(capacity, device=device) if track_positions else None
 
-    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
-        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, followed by the
-        slots' positions ``[capacity]`` int64 (shared by all layers) when they are tracked."""
-        if self.pos is None:
-            return self.buf[i, 0], self.buf[i, 1]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, and the slots'
+        positions ``[capacity]`` int64 (shared by all layers), None unless they are tracked."""
         return self.buf[i, 0], self.buf[i, 1], self.pos
 
     def note_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:

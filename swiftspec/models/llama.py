@@ -65,8 +65,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        o = ops.tree_attention(q, k, v, kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, self.scale,
-                               kv[2] if len(kv) > 2 else None)
+        o = ops.tree_attention(q, k, v, kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, self.scale, kv[2])
         return self.o_proj(o)
 
 
@@ -106,10 +105,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rope, slots, mask, kv):
         """``x [n, hidden]`` (and the residual stream, None before the first layer) -> ``(out, x +
-        residual)``; keys/values land in ``slots`` of ``kv = (k, v[, slot positions])``."""
+        residual)``; keys/values land in ``slots`` of ``kv = (k, v, slot positions or None)``."""
         if self.all_native and ops.native_layer_twin(x):
             return self.native_layer().forward(x, residual, kv[0], kv[1], slots, positions, rope.cos, rope.sin,
-                                               mask, kv[2] if len(kv) > 2 else None)
+                                               mask, kv[2])
         return self.forward_modules(x, residual, positions, rope, slots, mask, kv)
 
     def native_layer(self):
@@ -197,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank stores (padded / replicated ones included): the KV cache's dim 2."""
         return self.layers[self.stage.start].self_attn.num_kv_heads
 
-    def make_kv_cache(self, capacity: int, device: torch.device | str = "cpu", track_positions: bool = False) -> KVCache:
+    def make_kv_cache(self, capacity: int, device: torch.device | str = "cpu",
+                      track_positions: bool = False) -> KVCache:
         """A zeroed KV cache for this rank's layers (its stage's) with ``capacity`` token slots on
         ``device`` (``track_positions``: see :class:`KVCache`)."""
         return KVCache(len(self.stage), self.num_kv_heads_local, self.cfg.head_dim, capacity, self.dtype, device,
