@@ -27,32 +27,11 @@ from pathlib import Path
 
 import torch
 
+from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODELS = [HERE / "models" / "qwen2.5-coder-1.5b-instruct.json",
                   HERE / "models" / "qwen2.5-coder-0.5b-instruct.json"]
-
-
-def read_bandwidth(device: torch.device, threads: int) -> float:
-    """Bytes per second one direction of the device's memory sustains (see the module docstring)."""
-    if device.type == "cuda":
-        src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        best = float("inf")
-        for _ in range(5):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            dst.copy_(src)
-            torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t)
-        return src.numel() * 2 / 2 / best
-    torch.set_num_threads(threads)
-    big = torch.ones(2 ** 28)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - t)
-    return big.numel() * 4 / best
 
 
 def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_positions: int):
@@ -71,13 +50,6 @@ def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_pos
             elif p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=gen) * raw.get("initializer_range", 0.02))
     return model.to(device).eval()
-
-
-def weight_bytes(model, vocab: int | None) -> int:
-    """Bytes of the weights one forward reads: the decoder layers' and the LM-head rows below ``vocab``."""
-    layers = sum(p.numel() * p.element_size() for n, p in model.layers.named_parameters() if "norm" not in n)
-    head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
-    return layers + head * min(vocab or model.cfg.vocab_size, model.cfg.vocab_size) // model.cfg.vocab_size
 
 
 def _timed(fn, device: torch.device, rounds: int) -> float:
@@ -152,7 +124,7 @@ def main(argv=None) -> dict:
     for i, config in enumerate(args.models):
         vocab = args.logits_vocab[i] if args.logits_vocab and i < len(args.logits_vocab) else None
         model = random_model(config, dtype, device, args.context + max(args.rows) + 64)
-        nbytes = weight_bytes(model, vocab)
+        nbytes = weight_read_bytes(model, vocab)
         limit = nbytes / bw
         for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab):
             best = min(rec["eager_s"], rec.get("graph_s", float("inf")))

@@ -24,25 +24,6 @@ from pathlib import Path
 import torch
 
 
-def bandwidth(threads: int) -> float:
-    torch.set_num_threads(threads)
-    big = torch.ones(2 ** 28)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        big.sum()
-        best = max(best, big.numel() * 4 / (time.perf_counter() - t))
-    return best
-
-
-def read_bytes(model, vocab: int | None) -> int:
-    """Weight bytes one forward reads: the decoder layers' and the LM-head rows below ``vocab``."""
-    layers = sum(p.numel() * p.element_size() for n, p in model.layers.named_parameters()
-                 if "norm" not in n and "bias" not in n)
-    head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
-    return layers + head * min(vocab or model.cfg.vocab_size, model.cfg.vocab_size) // model.cfg.vocab_size
-
-
 def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> float:
     n = 100
     kv = model.make_kv_cache(256)
@@ -63,6 +44,7 @@ def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> flo
 
 def main() -> None:
     from swiftspec import ops
+    from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
     from swiftspec.loader import fetch_default_pair
     from swiftspec.models.llama import load_model
 
@@ -76,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     path = fetch_default_pair(progress=False)[0 if args.model == "target" else 1]
     vocab = None if args.model == "target" else 32768  # EngineConfig.draft_vocab
-    bw = bandwidth(args.threads)
+    bw = read_bandwidth(torch.device("cpu"), args.threads)
     rows_out = []
     default_impl = ops.cpu_dispatch()["quant_gemm"]
     configs = [("native", True, "x8", impl) for impl in (args.quant_gemm or [default_impl])]
@@ -88,7 +70,7 @@ def main() -> None:
         if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
             layout = f"x{ops.quant_interleave_rows()}"
         model = load_model(path, dtype=torch.float32, max_positions=512, weights=weights)
-        nbytes = read_bytes(model, vocab)
+        nbytes = weight_read_bytes(model, vocab)
         for rows in (1, 2, 4, 8):
             t = time_forward(model, rows, args.rounds, vocab)
             rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "quant_gemm": impl, "rows": rows,
