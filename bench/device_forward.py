@@ -1,7 +1,7 @@
 """Forward time of a model of the real shapes with random weights, on any device, against its memory bandwidth.
 
 The component table of the GPU benchmark, runnable where the checkpoints cannot go: the shapes
-come from a ``config.json`` shipped in ``bench/models/`` (the default pair's), the weights are
+come from a ``config.json`` shipped in ``swiftspec/data/model_configs/`` (the default pair's), the weights are
 random (a forward's time does not depend on their values), nothing is read from a model hub or
 the cache. For each model and row count (1 row: an autoregressive step; ``bs`` rows: a
 verification; ``w`` rows: a draft expansion) it times one forward plus the LM head of every row
@@ -14,7 +14,7 @@ bench/native_forward.py). Medians of ``--rounds`` steps, after warm-up.
 
     python bench/device_forward.py --device cuda --out results.json
     python bench/device_forward.py --device cpu --dtype float32 --rows 1 2 \
-        --models bench/models/qwen2.5-coder-0.5b-instruct.json
+        --models swiftspec/data/model_configs/qwen2.5-coder-0.5b-instruct.json
 """
 from __future__ import annotations
 
@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
+from swiftspec.random_weights import DEFAULT_CONFIGS
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_MODELS = [HERE / "models" / "qwen2.5-coder-1.5b-instruct.json",
-                  HERE / "models" / "qwen2.5-coder-0.5b-instruct.json"]
+DEFAULT_MODELS = list(DEFAULT_CONFIGS)
 
 
 def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_positions: int):

@@ -52,6 +52,7 @@ class DraftState:
         self.tree: DraftTree | None = None
         self.prompt_len = 0
         self.debug = False
+        self.replay = False  # subgraphs carry each node's candidates (a replayed acceptance trace)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -105,7 +106,7 @@ class DraftState:
         return n
 
     def subgraph(self) -> Subgraph:
-        return self.tree.subgraph(self.params.bs)
+        return self.tree.subgraph(self.params.bs, candidates=self.replay)
 
     def reroot(self, verified: list[int]) -> Reroot:
         """Re-root on the verified tokens and apply the KV moves (SwiftSpec paper §3.2)."""

@@ -384,7 +384,8 @@ class Engine:
         return list(ids)
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
-                 chat: bool | None = None, trace: bool = False) -> GenerationOutput:
+                 chat: bool | None = None, trace: bool = False,
+                 replay: list[int | None] | None = None) -> GenerationOutput:
         """Generate a completion and return it with its metrics.
 
         Args:
@@ -392,17 +393,25 @@ class Engine:
             params: sampling and stopping parameters (default: greedy, 256 tokens).
             chat: apply the chat template to a string prompt.
             trace: record per-iteration subgraphs in ``metrics.target["trace"]`` (tests).
+            replay: benchmarks only: replay a recorded acceptance (:mod:`swiftspec.acceptance`):
+                per generated position, the rank of the recorded target's token among the
+                recorded draft's candidates (None: absent); each verification accepts what the
+                recorded pair would have (the tokens are then not the target's). Greedy requests
+                without log-probabilities, in the serial, async and colocated modes (the
+                autoregressive mode has nothing to replay and ignores it).
         Raises:
-            ValueError: empty prompt, or prompt longer than ``max_model_len - 1`` tokens.
+            ValueError: empty prompt, or prompt longer than ``max_model_len - 1`` tokens; a
+                ``replay`` with a sampled or log-probability request, or in a pipeline mode.
             WorkerError: a worker died or raised (the engine is closed afterwards).
         """
         out = None
-        for chunk in self.stream(prompt, params, chat=chat, trace=trace):
+        for chunk in self.stream(prompt, params, chat=chat, trace=trace, replay=replay):
             out = chunk.output
         return out
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
-               chat: bool | None = None, trace: bool = False) -> Iterator[StreamChunk]:
+               chat: bool | None = None, trace: bool = False,
+               replay: list[int | None] | None = None) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are verified."""
         if self._closed:
             raise EngineError("engine is closed")
@@ -418,7 +427,14 @@ class Engine:
                              f"(max_model_len); shorten the prompt or raise max_model_len")
         if max(ids) >= self.vocab_limit or min(ids) < 0:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_limit})")
-        req = Request(ids, params, min(params.max_tokens, limit - len(ids)), self.eos_ids, self.config.d, trace)
+        if replay is not None:
+            if not params.greedy or params.logprobs is not None:
+                raise ValueError("replay: only greedy requests without logprobs replay an acceptance trace")
+            if self.config.pipeline_stages > 1:
+                raise ValueError(f"replay: the {self.config.mode} mode does not replay acceptance traces")
+            replay = tuple(None if r is None else int(r) for r in replay)
+        req = Request(ids, params, min(params.max_tokens, limit - len(ids)), self.eos_ids, self.config.d, trace,
+                      replay)
         t_start = time.perf_counter()
         for conn in self._leader_conns.values():
             conn.send(("generate", req))

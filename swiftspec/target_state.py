@@ -75,11 +75,13 @@ class TargetState:
         return self.runner.launch(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
                                   torch.arange(bs), target_head(sampler))
 
-    def accept(self, sg: Subgraph, launched: Launched, sampler: Sampler, max_new: int | None = None) -> VerifyResult:
+    def accept(self, sg: Subgraph, launched: Launched, sampler: Sampler, max_new: int | None = None,
+               replay: list[int | None] | None = None) -> VerifyResult:
         """The rest of :meth:`verify` once its forward (``launched``, from :meth:`launch` of the
-        same ``sg``) is done: the sampling walk and the KV compaction."""
+        same ``sg``) is done: the sampling walk (``replay``: see :func:`swiftspec.verify.walk`)
+        and the KV compaction."""
         L = self.prefix_len
-        res = walk(sg.tokens, sg.parents, launched.result(), sampler, max_new)
+        res = walk(sg.tokens, sg.parents, launched.result(), sampler, max_new, replay, sg.candidates)
         keep = [0] + res.accepted  # root + accepted nodes move to L .. L+k
         self.runner.move_kv([L + i for i in keep], list(range(L, L + len(keep))))
         self.prefix_len = L + len(keep)

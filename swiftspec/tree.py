@@ -57,12 +57,16 @@ class Subgraph:
         depths: ``[bs]`` depth below the root (root 0); a node's position is ``root_pos + depth``.
         weights: ``[bs]`` node weights (draft log-probability of the path from the root); only
             for diagnostics, the target does not need them.
+        candidates: ``[bs]`` lists of each node's children tokens in the whole draft tree (inside
+            the subgraph or not), most likely first; only for a replayed acceptance trace
+            (:func:`swiftspec.verify.replayed_token`), else None.
     """
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
     weights: list[float] | None = None
+    candidates: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -226,8 +230,9 @@ class DraftTree:
                 heapq.heappush(self._heap, (-w, node.depth + 1, cid))
 
     # ---- verification batch -----------------------------------------------------------
-    def subgraph(self, bs: int) -> Subgraph:
-        """The root plus the ``bs - 1`` heaviest other nodes, ancestor-closed, parents first.
+    def subgraph(self, bs: int, candidates: bool = False) -> Subgraph:
+        """The root plus the ``bs - 1`` heaviest other nodes, ancestor-closed, parents first
+        (with ``candidates``: each node's children in the tree, see :class:`Subgraph`).
 
         A child never weighs more than its parent (log-probabilities are <= 0); ties are broken
         parent-first by depth, so the top-``bs`` set is ancestor-closed.
@@ -244,7 +249,8 @@ class DraftTree:
             parents.append(index[nd.parent] if nid != self.root else -1)
             depths.append(nd.depth - r.depth)
             weights.append(nd.weight)
-        return Subgraph(tokens, parents, depths, weights)
+        cands = [list(self.nodes[nid].children) for nid in chosen] if candidates else None
+        return Subgraph(tokens, parents, depths, weights, cands)
 
     def _subtree(self, top: int) -> list[int]:
         out, stack = [], [top]

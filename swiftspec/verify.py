@@ -42,8 +42,23 @@ def target_head(sampler: Sampler) -> str | None:
     return "argmax" if sampler.params.greedy and sampler.params.logprobs is None else None
 
 
+def replayed_token(candidates: list[int], rank: int | None, own: int) -> int:
+    """The token a replayed acceptance trace (:mod:`swiftspec.acceptance`) makes the target pick
+    at a node: the draft's candidate of the recorded ``rank`` (``candidates``: the node's children
+    in the draft tree, most likely first); where the trace says "absent" (None) or the tree holds
+    no candidate of that rank, a token that is none of them: the target's ``own`` choice if it is
+    not a candidate, else the smallest id that is not."""
+    if rank is not None and rank < len(candidates):
+        return candidates[rank]
+    if own not in candidates:
+        return own
+    taken = set(candidates)
+    return next(t for t in range(len(candidates) + 1) if t not in taken)
+
+
 def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: Sampler,
-         max_new: int | None = None) -> VerifyResult:
+         max_new: int | None = None, replay: list[int | None] | None = None,
+         candidates: list[list[int]] | None = None) -> VerifyResult:
     """Walk the subgraph with the target's samples.
 
     Args:
@@ -55,6 +70,15 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
             ``head="argmax"``).
         sampler: the request's sampler.
         max_new: stop after this many verified tokens (the request's remaining budget).
+        replay: benchmarks only: the recorded rank of the real target's token among the real
+            draft's candidates for each position from the root's children on (None: absent), from
+            an acceptance trace (:mod:`swiftspec.acceptance`); each sample is replaced by
+            :func:`replayed_token`, so acceptance follows the recorded pair whatever the models'
+            weights (the output is then not the target's). Needs argmax rows.
+        candidates: with ``replay``: ``[bs]`` lists, each node's children in the draft tree, most
+            likely first (:meth:`swiftspec.tree.DraftTree.subgraph`), which may include nodes
+            outside the subgraph; None: the node's children in the subgraph, in index order
+            (which is the draft's order).
     Returns:
         :class:`VerifyResult` with ``1 <= len(tokens) <= bs`` verified tokens (and their
         log-probabilities when ``sampler.params.logprobs`` is set).
@@ -69,8 +93,14 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
     argmax = logits.tolist() if logits.dim() == 1 else None
     if argmax is not None and (want_lp or not sampler.params.greedy):
         raise ValueError("walk: argmax rows only serve a greedy request without log-probabilities")
+    if replay is not None and argmax is None:
+        raise ValueError("walk: a replayed acceptance trace needs argmax rows (a greedy request)")
     while True:
         tok = argmax[node] if argmax is not None else sampler.sample(logits[node])
+        if replay is not None:
+            depth = len(out)
+            tok = replayed_token(candidates[node] if candidates is not None else list(children[node]),
+                                 replay[depth] if depth < len(replay) else None, tok)
         out.append(tok)
         if want_lp:
             lps.append(sampler.logprob(logits[node], tok))

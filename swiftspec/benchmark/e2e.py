@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from swiftspec.benchmark import replay
+
 DATASETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]
 ABBREV = {"alpaca": "ALP", "gsm8k": "GSM", "humaneval": "HE", "mt_bench": "MT", "qa": "QA", "sum": "SUM"}
 # SwiftSpec paper, Table 6 (Qwen2-72B target, Qwen2-1.5B draft, 8 GPUs): compression ratio
@@ -81,14 +83,14 @@ class EngineSystem:
     """A SwiftSpec engine in one of its modes, behind the peers' ``generate`` signature."""
 
     def __init__(self, system: str, target, draft, dtype: str, cores: list[int], d: int | None,
-                 config: str | None = None):
+                 config: str | None = None, device: str = "auto"):
         from swiftspec.engine import Engine, EngineConfig
 
         if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
-            cfg = EngineConfig.from_json(config, dtype=dtype)
+            cfg = EngineConfig.from_json(config, dtype=dtype, device=device)
         else:
             mode = ENGINE_MODES[system]
-            kw: dict = dict(mode=mode, dtype=dtype, kernels=not system.endswith("-nokernels"),
+            kw: dict = dict(mode=mode, dtype=dtype, device=device, kernels=not system.endswith("-nokernels"),
                             weights="float32" if system.endswith("-dequantized") else "native")
             if mode == "async":
                 n_draft = max(1, len(cores) // 4)
@@ -102,10 +104,13 @@ class EngineSystem:
                              config=cfg)
         self.system = system
 
-    def generate(self, prompt_ids, max_tokens, eos_ids=()):
+    def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
+        """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
+        :meth:`swiftspec.engine.Engine.generate`)."""
         from swiftspec.sampling import SamplingParams
 
-        out = self.engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens))
+        out = self.engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                                   replay=replay)
         return out.token_ids, out.metrics
 
     def close(self):
@@ -184,13 +189,13 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
     if system == "swiftspec-profiled":
         if not args.config:
             raise ValueError("swiftspec-profiled needs --config (from `swiftspec profile`)")
-        return EngineSystem(system, target_dir, draft_dir, dtype, cores, None, args.config)
+        return EngineSystem(system, target_dir, draft_dir, dtype, cores, None, args.config, args.device)
     if system in ENGINE_MODES:
-        return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d)
+        return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d, device=args.device)
     if system == "hf":
-        return HFPeer(target_dir, None, dtype, threads=len(cores))
+        return HFPeer(target_dir, None, dtype, threads=len(cores), device=args.device)
     if system == "hf-assisted":
-        return HFPeer(target_dir, draft_dir, dtype, threads=len(cores))
+        return HFPeer(target_dir, draft_dir, dtype, threads=len(cores), device=args.device)
     if system in ("llama-cpp", "llama-cpp-spec"):
         gguf, draft = args.target_gguf, args.draft_gguf
         if args.target is None or args.draft is None:
@@ -319,50 +324,75 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--draft")
     ap.add_argument("--target-gguf", help="GGUF of the target for llama-cpp (default: the default pair's)")
     ap.add_argument("--draft-gguf", help="GGUF of the draft for llama-cpp-spec (default: the default pair's)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the engines and the transformers peers run (auto: CUDA when present)")
     ap.add_argument("--out", default="bench/out", help="directory for the table, chart and records")
     ap.add_argument("--json", action="store_true", help="print the per-prompt records as one JSON list")
+    replay.add_arguments(ap)
     return ap
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     from tqdm import tqdm
 
+    import torch
+
     from swiftspec.engine import cpu_has_bf16
     from swiftspec.loader import resolve_model
 
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_bf16() else "float32")
+    replay.check(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else (
+        "bfloat16" if args.device == "cuda" or cpu_has_bf16() else "float32")
     cores = sorted(os.sched_getaffinity(0))
-    target_dir = resolve_model(args.target, "target")
-    draft_dir = resolve_model(args.draft, "draft")
-    from transformers import AutoTokenizer
+    # (dataset, prompt ids, tokens to generate, acceptance ranks to replay or None)
+    prompts: list[tuple[str, list[int], int, list | None]] = []
+    if args.random_weights:
+        _, prompts = replay.trace_prompts(args)
+        target_dir, draft_dir = replay.random_pair(args, dtype)
+        eos: list[int] = []
+    else:
+        target_dir = resolve_model(args.target, "target")
+        draft_dir = resolve_model(args.draft, "draft")
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    eos = [t for t in {tok.eos_token_id} if t is not None]
-    prompts = []
-    for spec in args.prompts:
-        ds, ps = load_prompts(spec, args.num_prompts)
-        for p in ps:
-            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            prompts.append((ds, list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        eos = [t for t in {tok.eos_token_id} if t is not None]
+        for spec in args.prompts:
+            ds, ps = load_prompts(spec, args.num_prompts)
+            for p in ps:
+                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=True)
+                prompts.append((ds, list(ids["input_ids"] if hasattr(ids, "keys") else ids), args.max_tokens, None))
     check_memory(weight_bytes(args.systems, target_dir, draft_dir, dtype), available_memory_bytes())
     systems = {}
     records: list[dict] = []
+    targets: list[tuple[str, list[int], list[int]]] = []  # (dataset, prompt, the target's tokens) for the trace
     try:
-        n_ctx = max(len(ids) for _, ids in prompts) + args.max_tokens + 16
+        n_ctx = max(len(ids) + n for _, ids, n, _ in prompts) + 16
         for s in args.systems:
             systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args, -(-n_ctx // 256) * 256)
-        for ds, ids in tqdm(prompts, desc="prompts", file=sys.stderr):
+        for ds, ids, max_tokens, ranks in tqdm(prompts, desc="prompts", file=sys.stderr):
             outs = {}
             for s, sysm in list(systems.items()):
                 try:
-                    outs[s] = sysm.generate(ids, args.max_tokens, eos)
+                    if ranks is None:
+                        outs[s] = sysm.generate(ids, max_tokens, eos)
+                    elif isinstance(sysm, EngineSystem):  # random weights: EOS ignored, acceptance replayed
+                        outs[s] = sysm.generate(ids, max_tokens, ignore_eos=True, replay=ranks)
+                    else:
+                        outs[s] = sysm.generate(ids, max_tokens, ignore_eos=True)
                 except Exception as e:  # one failing system must not cost the others' records
                     print(f"swiftspec bench: {s} failed on a {ds} prompt ({len(ids)} tokens) and is dropped from "
                           f"the remaining prompts: {type(e).__name__}: {e}", file=sys.stderr)
                     systems.pop(s).close()
-            ref = outs.get("autoregressive", (None,))[0]
+            ref = outs.get("autoregressive", (None,))[0] if ranks is None else None  # replayed: not the target's
+            if args.record_trace and "autoregressive" in outs:
+                targets.append((ds, ids, outs["autoregressive"][0]))
             for s, (toks, m) in outs.items():
-                records.append({"system": s, "dataset": ds, "dtype": dtype, "num_tokens": m.num_tokens,
+                records.append({"system": s, "dataset": ds, "dtype": dtype, "device": args.device,
+                                "replayed": ranks is not None, "num_tokens": m.num_tokens,
                                 "decode_s": m.decode_s, "tokens_per_s": m.tokens_per_s,
                                 "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
@@ -372,6 +402,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     finally:
         for sysm in systems.values():
             sysm.close()
+    if args.record_trace:
+        replay.record_trace(args, targets, target_dir, draft_dir, dtype, machine_record())
     return records
 
 
@@ -443,8 +475,10 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
-    title = (f"{records[0]['dtype']}, {len(cores)} cores, {args.max_tokens} tokens, "
+    title = (f"{records[0]['dtype']}, {args.device}, {len(cores)} cores, {args.max_tokens} tokens, "
              f"{args.num_prompts} prompts/dataset")
+    if args.random_weights:
+        title += f", random weights, acceptance replayed from {Path(args.acceptance or replay.PACKAGED_TRACE).name}"
     table = markdown(records)
     print(f"{title} ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}")
     (out / "e2e.md").write_text(f"{title}\n\n{table}\n")

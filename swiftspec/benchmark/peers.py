@@ -43,16 +43,18 @@ class _Stamps:
 class HFPeer:
     """transformers ``generate`` (greedy), optionally with an assistant (draft) model."""
 
-    def __init__(self, target_dir, draft_dir=None, dtype: str = "bfloat16", threads: int | None = None):
+    def __init__(self, target_dir, draft_dir=None, dtype: str = "bfloat16", threads: int | None = None,
+                 device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
         if threads:
             torch.set_num_threads(threads)
         dt = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dt).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dt).to(self.device).eval()
         self.assistant = None
         if draft_dir is not None:
-            self.assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dt).eval()
+            self.assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dt).to(self.device).eval()
         self.forwards = 0
         self.model.register_forward_hook(self._count)
         self.system = "hf-assisted" if draft_dir is not None else "hf"
@@ -61,12 +63,17 @@ class HFPeer:
         self.forwards += 1
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=()) -> tuple[list[int], RequestMetrics]:
-        ids = torch.tensor([prompt_ids])
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(),
+                 ignore_eos: bool = False) -> tuple[list[int], RequestMetrics]:
+        """Greedy tokens and metrics (``ignore_eos``: exactly ``max_tokens`` tokens, the
+        end-of-sequence logits suppressed until then, as ``min_new_tokens`` does)."""
+        ids = torch.tensor([prompt_ids], device=self.device)
         stamps = _Stamps(len(prompt_ids))
         self.forwards = 0
         kw = dict(max_new_tokens=max_tokens, do_sample=False, streamer=stamps, attention_mask=torch.ones_like(ids),
                   eos_token_id=list(eos_ids) or None, pad_token_id=(list(eos_ids) or [0])[0])
+        if ignore_eos:
+            kw["min_new_tokens"] = max_tokens
         if self.assistant is not None:
             kw["assistant_model"] = self.assistant
         t0 = time.perf_counter()

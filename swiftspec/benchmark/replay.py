@@ -1,0 +1,99 @@
+"""``swiftspec bench`` where the checkpoints cannot go: random weights and replayed acceptance.
+
+``--record-trace FILE`` (with the real pair, ``autoregressive`` among the systems) writes the
+acceptance trace of the run's prompts (:mod:`swiftspec.acceptance`: the target's tokens and their
+ranks among the draft's candidates). ``--random-weights`` runs every system on models of the
+real shapes with random weights (:mod:`swiftspec.random_weights`), on the prompts of the trace
+given by ``--acceptance`` (default: the one shipped with the package, recorded from the default
+pair), each SwiftSpec mode replaying the trace's acceptance (``Engine.generate(replay=...)``) for
+as many tokens as the trace holds (end-of-sequence ignored). The tokens are then not the
+target's, so ``matches_target`` is "n/a"; the compression ratio is the recorded pair's under
+this run's tree; the speed is measured end to end on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# the default pair's trace, recorded with `swiftspec bench --record-trace` (bench/RESULTS.md)
+PACKAGED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "default-pair.json"
+# systems that cannot run on random weights with a replayed trace
+NOT_REPLAYABLE = ("hf-assisted", "llama-cpp", "llama-cpp-spec", "pipeline-autoregressive", "pipedec", "pipeinfer")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--record-trace", metavar="FILE",
+                    help="write the acceptance trace of this run's prompts (needs autoregressive among the systems)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="models of the real shapes with random weights (--target-config/--draft-config), "
+                         "acceptance replayed from --acceptance")
+    ap.add_argument("--acceptance", metavar="TRACE", help=f"acceptance trace to replay (default {PACKAGED_TRACE.name}, "
+                                                          "shipped)")
+    ap.add_argument("--target-config", help="config.json of the target's shapes for --random-weights "
+                                            "(default: the default pair's, shipped)")
+    ap.add_argument("--draft-config", help="config.json of the draft's shapes for --random-weights")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse inconsistent flags before anything loads. Raises ValueError."""
+    if args.random_weights:
+        if args.record_trace:
+            raise ValueError("--record-trace needs the real models (not --random-weights)")
+        if args.target or args.draft:
+            raise ValueError("--random-weights builds its models from --target-config/--draft-config, not --target/--draft")
+        bad = [s for s in args.systems if s in NOT_REPLAYABLE]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot run on random weights with a replayed trace "
+                             "(peers with their own draft, GGUF-only peers and the pipeline modes)")
+    elif args.acceptance or args.target_config or args.draft_config:
+        raise ValueError("--acceptance, --target-config and --draft-config go with --random-weights")
+    if args.record_trace and "autoregressive" not in args.systems:
+        raise ValueError("--record-trace needs autoregressive among the systems (the target's own tokens)")
+
+
+def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
+    """The (target, draft) directories of random weights of the configured shapes."""
+    from swiftspec.random_weights import DEFAULT_CONFIGS, materialize
+
+    return (materialize(args.target_config or DEFAULT_CONFIGS[0], dtype),
+            materialize(args.draft_config or DEFAULT_CONFIGS[1], dtype))
+
+
+def trace_prompts(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list[int], int, list]]]:
+    """The trace and its prompts for this run: (dataset, prompt ids, tokens to generate, ranks),
+    the first ``--num-prompts`` of each dataset in ``--prompts``, at most ``--max-tokens`` tokens each."""
+    from swiftspec import acceptance
+
+    doc = acceptance.load(args.acceptance or PACKAGED_TRACE)
+    per: dict[str, int] = {}
+    out = []
+    for p in doc["prompts"]:
+        ds = p["dataset"]
+        if ds not in args.prompts or per.get(ds, 0) >= args.num_prompts:
+            continue
+        per[ds] = per.get(ds, 0) + 1
+        n = min(args.max_tokens, len(p["tokens"]))
+        out.append((ds, p["prompt_ids"], n, p["ranks"][:n]))
+    if not out:
+        raise ValueError(f"the trace holds no prompt of {args.prompts}")
+    return doc, out
+
+
+def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], list[int]]], target_dir: Path,
+                 draft_dir: Path, dtype: str, machine: dict) -> None:
+    """Rank the target's tokens among the draft's candidates (the draft built as the engine
+    builds it: ``--config``'s or the default ``draft_quant`` and ``draft_vocab``) and write the trace."""
+    from swiftspec import acceptance
+    from swiftspec.engine import EngineConfig
+    from swiftspec.models.config import ModelConfig
+
+    cfg = EngineConfig.from_json(args.config) if args.config else EngineConfig()
+    vocab = min(ModelConfig.from_dir(target_dir).vocab_size, ModelConfig.from_dir(draft_dir).vocab_size)
+    draft_vocab = min(vocab, cfg.draft_vocab or vocab)
+    quant = None if cfg.draft_quant == "none" else cfg.draft_quant
+    entries = acceptance.record(prompts, draft_dir, dtype, quant, draft_vocab)
+    acceptance.save(args.record_trace, entries, target=Path(target_dir).name, draft=Path(draft_dir).name,
+                    dtype=dtype, machine=machine, draft_vocab=draft_vocab, draft_quant=cfg.draft_quant)
+    s = acceptance.summary(acceptance.load(args.record_trace))
+    print(f"acceptance trace: {args.record_trace} ({len(entries)} prompts, {s['positions']} positions; the draft's "
+          f"first choice {s['top1']:.1%}, among its first 4 {s['top4']:.1%})")
