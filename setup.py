@@ -29,7 +29,8 @@ setup(
     description="Latency-first speculative decoding with concurrent draft and target groups",
     packages=find_packages(include=["swiftspec", "swiftspec.*"]),
     package_data={"swiftspec": ["data/eval_prompts/*.jsonl", "data/eval_prompts/LICENSE.EAGLE",
-                                "data/eval_prompts/README.md", "data/model_configs/*.json"]},
+                                "data/eval_prompts/README.md", "data/model_configs/*.json",
+                                "data/traces/*.json"]},
     cmdclass={"build_py": BuildPyWithSources},
     python_requires=">=3.10",
     # torch is not pinned here: install the build for your machine first (CPU: torch==2.13.0).

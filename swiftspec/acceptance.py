@@ -16,29 +16,87 @@ makes the target pick, at each node, the candidate of the recorded rank, so what
 timed run builds, a node is accepted exactly when the real pair would have accepted it.
 
 File (JSON): ``{"version": 1, "k": int, "target": str, "draft": str, "dtype": str,
-"draft_vocab": int, "draft_quant": str, "machine": {...}, "prompts": [{"dataset": str, "prompt_ids": [int], "tokens": [int],
-"ranks": [int | null]}]}``; ``ranks[i]`` belongs to ``tokens[i]`` (``ranks[0]``, the token the
-prefill samples, is never replayed). Architecture: docs/architecture.md §11.
+"draft_vocab": int, "draft_quant": str, "machine": {...}, "profile": [float], "prompts":
+[{"dataset": str, "prompt_ids": [int], "tokens": [int], "ranks": [int | null], "logprobs":
+[[float]]}]}``; ``ranks[i]`` and ``logprobs[i]`` belong to ``tokens[i]`` (``ranks[0]``, the
+token the prefill samples, is never replayed); ``profile``: the mean log-probability per rank. Architecture: docs/architecture.md §11.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 VERSION = 1
 RANKS_K = 32  # candidates ranked per position; wider than any tree's expansion width
+LOGPROBS_K = 8  # the draft's log-probabilities kept per position (the paper's widest expansion)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One prompt's recorded acceptance, as a request replays it (``Engine.generate(replay=...)``).
+
+    Attributes:
+        ranks: per generated position, the rank of the recorded target's token among the recorded
+            draft's candidates (None: absent); drives the target's walk
+            (:func:`swiftspec.verify.replayed_token`).
+        logprobs: per generated position, the recorded draft's ``LOGPROBS_K`` highest
+            log-probabilities there (teacher-forced), or None.
+        profile: the mean log-probability of each rank over the whole trace, or None.
+
+    With ``logprobs`` and ``profile``, the draft also grows its tree as the recorded draft would
+    (:meth:`child_logprobs`): a random draft's near-uniform probabilities would otherwise build
+    a wide, shallow tree where the real draft builds deep chains, and accept less.
+    """
+
+    ranks: tuple[int | None, ...]
+    logprobs: tuple[tuple[float, ...], ...] | None = None
+    profile: tuple[float, ...] | None = None
+
+    def rank(self, i: int) -> int | None:
+        return self.ranks[i] if i < len(self.ranks) else None
+
+    def child_logprobs(self, root_index: int, path: list[int], k: int) -> list[float] | None:
+        """The log-probabilities a tree node's ``k`` children get instead of the running draft's.
+
+        Args:
+            root_index: generated-token index of the tree's root (0: the prefill's token).
+            path: sibling ranks of the edges from the root down to the node (``[]``: the root).
+            k: children per node (the expansion's top-k).
+        Returns:
+            ``[k]`` floats, heaviest first: the recorded draft's at the node's position if the node
+            lies on the recorded target's path (every edge of ``path`` is the recorded rank), else
+            the trace's mean per rank; -inf past what was kept. None without recorded values.
+        """
+        if self.logprobs is None or self.profile is None:
+            return None
+        on_path = all(r == self.rank(root_index + 1 + j) for j, r in enumerate(path))
+        i = root_index + len(path) + 1  # index of the children's tokens
+        row = self.logprobs[i] if on_path and i < len(self.logprobs) else self.profile
+        return (list(row) + [-math.inf] * k)[:k]
+
+    @classmethod
+    def of(cls, doc: dict, entry: dict, n: int | None = None) -> "Replay":
+        """The replay of one prompt ``entry`` of a trace ``doc`` (:func:`load`), first ``n`` tokens."""
+        lps = entry.get("logprobs")
+        prof = doc.get("profile")
+        return cls(tuple(entry["ranks"][:n]), None if lps is None else tuple(map(tuple, lps[:n])),
+                   None if prof is None else tuple(prof))
 
 
 class TraceError(ValueError):
     """An acceptance trace file that is missing, not JSON, or not of this format."""
 
 
-def draft_ranks(runner, prompt_ids: list[int], tokens: list[int], k: int = RANKS_K) -> list[int | None]:
-    """Rank of each target token among the draft's ``k`` most likely next tokens, teacher-forced.
+def draft_ranks(runner, prompt_ids: list[int], tokens: list[int],
+                k: int = RANKS_K) -> tuple[list[int | None], list[list[float]]]:
+    """Rank of each target token among the draft's ``k`` most likely next tokens, teacher-forced,
+    and the draft's ``LOGPROBS_K`` highest log-probabilities at each position.
 
     Args:
         runner: the draft's :class:`swiftspec.runner.ModelRunner`, built as the engine builds it
@@ -48,17 +106,16 @@ def draft_ranks(runner, prompt_ids: list[int], tokens: list[int], k: int = RANKS
         tokens: ``[T]`` the target's generated tokens.
         k: candidates per position.
     Returns:
-        ``[T]`` ranks (0 = the draft's most likely token; None: not among its first ``k``).
+        ``[T]`` ranks (0 = the draft's most likely token; None: not among its first ``k``) and
+        ``[T, LOGPROBS_K]`` log-probabilities (rounded to 1e-4), heaviest first.
     """
     seq = list(prompt_ids) + list(tokens[:-1])
     n = len(seq)
     pos = torch.arange(n)
     rows = torch.arange(len(prompt_ids) - 1, n)  # row i predicts tokens[i - P + 1]
-    _, ids = runner.forward(torch.tensor(seq), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), rows, k)
-    out: list[int | None] = []
-    for tok, cands in zip(tokens, ids.tolist()):
-        out.append(cands.index(tok) if tok in cands else None)
-    return out
+    values, ids = runner.forward(torch.tensor(seq), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), rows, k)
+    ranks: list[int | None] = [c.index(t) if t in c else None for t, c in zip(tokens, ids.tolist())]
+    return ranks, [[round(v, 4) for v in row] for row in values[:, :LOGPROBS_K].tolist()]
 
 
 def record(prompts: list[tuple[str, list[int], list[int]]], draft_dir, dtype: str, draft_quant: str | None,
@@ -70,9 +127,18 @@ def record(prompts: list[tuple[str, list[int], list[int]]], draft_dir, dtype: st
     longest = max(len(p) + len(t) for _, p, t in prompts)
     runner = ModelRunner(str(draft_dir), dtype=getattr(torch, dtype), capacity=-(-longest // 256) * 256,
                          quant=draft_quant, logits_vocab=draft_vocab)
+    out = []
     with torch.inference_mode():
-        return [{"dataset": ds, "prompt_ids": list(p), "tokens": list(t), "ranks": draft_ranks(runner, p, t, k)}
-                for ds, p, t in prompts]
+        for ds, p, t in prompts:
+            ranks, lps = draft_ranks(runner, p, t, k)
+            out.append({"dataset": ds, "prompt_ids": list(p), "tokens": list(t), "ranks": ranks, "logprobs": lps})
+    return out
+
+
+def profile(entries: list[dict]) -> list[float]:
+    """The mean recorded log-probability of each rank (``[LOGPROBS_K]``) over every position."""
+    rows = [row for e in entries for row in e["logprobs"]]
+    return [round(sum(r[j] for r in rows) / len(rows), 4) for j in range(len(rows[0]))]
 
 
 def save(path, entries: list[dict], k: int = RANKS_K, **meta) -> None:
@@ -81,10 +147,13 @@ def save(path, entries: list[dict], k: int = RANKS_K, **meta) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"version": VERSION, "k": k, **meta, "prompts": entries}
+    if all("logprobs" in e for e in entries):
+        doc["profile"] = profile(entries)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shared trace unreadable to others
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -109,7 +178,8 @@ def load(path) -> dict:
         try:
             ok = (len(p["prompt_ids"]) > 0 and len(p["tokens"]) == len(p["ranks"]) > 0
                   and all(isinstance(t, int) for t in p["prompt_ids"] + p["tokens"])
-                  and all(r is None or (isinstance(r, int) and r >= 0) for r in p["ranks"]))
+                  and all(r is None or (isinstance(r, int) and r >= 0) for r in p["ranks"])
+                  and ("logprobs" not in p or (len(p["logprobs"]) == len(p["tokens"]) and "profile" in doc)))
         except (KeyError, TypeError):
             ok = False
         if not ok:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swiftspec.acceptance import Replay
 from swiftspec.runner import RunnerHandle
 from swiftspec.tree import DraftTree, Reroot, Subgraph
 
@@ -52,7 +53,7 @@ class DraftState:
         self.tree: DraftTree | None = None
         self.prompt_len = 0
         self.debug = False
-        self.replay = False  # subgraphs carry each node's candidates (a replayed acceptance trace)
+        self.replay: Replay | None = None  # a replayed acceptance trace (benchmarks; see expand, subgraph)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -83,9 +84,11 @@ class DraftState:
         """One expansion: a draft forward over the ``w`` heaviest leaves (or the catch-up)."""
         t0 = time.perf_counter()
         exp = self.tree.plan_expansion(self.params.w)
-        top = self.runner.forward(exp.input_ids, exp.positions, exp.slots, exp.mask, exp.logits_rows,
-                                  self.params.topk)  # reduced to the top-k where the draft runs
-        self.tree.add_children(exp, *top)
+        values, ids = self.runner.forward(exp.input_ids, exp.positions, exp.slots, exp.mask, exp.logits_rows,
+                                          self.params.topk)  # reduced to the top-k where the draft runs
+        if self.replay is not None:
+            values = self._replayed_values(exp, values)
+        self.tree.add_children(exp, values, ids)
         self.expansions += 1
         self.expansion_s += time.perf_counter() - t0
         if self.debug:
@@ -105,8 +108,16 @@ class DraftState:
             n += 1
         return n
 
+    def _replayed_values(self, exp, values: torch.Tensor) -> torch.Tensor:
+        """The recorded draft's log-probabilities for ``exp``'s rows in place of this draft's
+        (:meth:`swiftspec.acceptance.Replay.child_logprobs`), so the tree takes the recorded
+        draft's shape; ``values`` unchanged when the replay has none."""
+        root_index = self.tree.root_position - self.prompt_len
+        rows = [self.replay.child_logprobs(root_index, self.tree.path_ranks(n), values.shape[1]) for n in exp.nodes]
+        return values if rows and rows[0] is None else torch.tensor(rows, dtype=values.dtype).view_as(values)
+
     def subgraph(self) -> Subgraph:
-        return self.tree.subgraph(self.params.bs, candidates=self.replay)
+        return self.tree.subgraph(self.params.bs, candidates=self.replay is not None)
 
     def reroot(self, verified: list[int]) -> Reroot:
         """Re-root on the verified tokens and apply the KV moves (SwiftSpec paper §3.2)."""

@@ -385,7 +385,7 @@ class Engine:
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                  chat: bool | None = None, trace: bool = False,
-                 replay: list[int | None] | None = None) -> GenerationOutput:
+                 replay: "Replay | list[int | None] | None" = None) -> GenerationOutput:
         """Generate a completion and return it with its metrics.
 
         Args:
@@ -394,9 +394,11 @@ class Engine:
             chat: apply the chat template to a string prompt.
             trace: record per-iteration subgraphs in ``metrics.target["trace"]`` (tests).
             replay: benchmarks only: replay a recorded acceptance (:mod:`swiftspec.acceptance`):
-                per generated position, the rank of the recorded target's token among the
-                recorded draft's candidates (None: absent); each verification accepts what the
-                recorded pair would have (the tokens are then not the target's). Greedy requests
+                a :class:`~swiftspec.acceptance.Replay`, or just its ranks (per generated
+                position, the rank of the recorded target's token among the recorded draft's
+                candidates, None: absent); each verification accepts what the recorded pair
+                would have (the tokens are then not the target's), and with recorded
+                log-probabilities the draft's tree takes the recorded draft's shape. Greedy requests
                 without log-probabilities, in the serial, async and colocated modes (the
                 autoregressive mode has nothing to replay and ignores it).
         Raises:
@@ -411,7 +413,7 @@ class Engine:
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                chat: bool | None = None, trace: bool = False,
-               replay: list[int | None] | None = None) -> Iterator[StreamChunk]:
+               replay: "Replay | list[int | None] | None" = None) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are verified."""
         if self._closed:
             raise EngineError("engine is closed")
@@ -432,7 +434,10 @@ class Engine:
                 raise ValueError("replay: only greedy requests without logprobs replay an acceptance trace")
             if self.config.pipeline_stages > 1:
                 raise ValueError(f"replay: the {self.config.mode} mode does not replay acceptance traces")
-            replay = tuple(None if r is None else int(r) for r in replay)
+            from swiftspec.acceptance import Replay
+
+            if not isinstance(replay, Replay):
+                replay = Replay(tuple(None if r is None else int(r) for r in replay))
         req = Request(ids, params, min(params.max_tokens, limit - len(ids)), self.eos_ids, self.config.d, trace,
                       replay)
         t_start = time.perf_counter()

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from swiftspec.acceptance import Replay
 from swiftspec.draft_state import DraftState
 from swiftspec.runner import Launched
 from swiftspec.sampling import Sampler, SamplingParams
@@ -52,10 +53,9 @@ class Request:
         eos_ids: tokens that end generation (unless ``params.ignore_eos``).
         d: expansions per iteration (int) or None for the automatic choice.
         trace: record per-iteration details (tests).
-        replay: benchmarks only: per generated position, the rank of the recorded target's token
-            among the recorded draft's candidates (None: absent), from an acceptance trace
-            (:mod:`swiftspec.acceptance`); every verification walk replays it
-            (:func:`swiftspec.verify.walk`), so the output is not the target's own. Greedy only.
+        replay: benchmarks only: a recorded acceptance (:class:`swiftspec.acceptance.Replay`)
+            that every verification walk (:func:`swiftspec.verify.walk`) and the draft's tree
+            follow, so the output is not the target's own. Greedy only.
     """
 
     prompt_ids: list[int]
@@ -64,7 +64,7 @@ class Request:
     eos_ids: tuple[int, ...] = ()
     d: int | None = None
     trace: bool = False
-    replay: tuple[int | None, ...] | None = None
+    replay: Replay | None = None
 
 
 class StopChecker:
@@ -123,7 +123,7 @@ def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: Stop
                  emit, stats: TargetStats, launched: Launched | None = None) -> list[int]:
     """Verify ``sg`` (its forward already ``launched`` by :meth:`TargetState.launch`, or now),
     emit the kept tokens; returns the verified tokens."""
-    replay = None if stop.req.replay is None else stop.req.replay[len(stop.ids):]  # from the root's children on
+    replay = None if stop.req.replay is None else stop.req.replay.ranks[len(stop.ids):]  # from the root's children on
     res = target.accept(sg, launched or target.launch(sg, sampler), sampler, stop.remaining, replay)
     _emit_verified(res, stop, emit)
     stats.verifications += 1

@@ -153,6 +153,16 @@ class DraftTree:
     def token_of(self, node: int) -> int:
         return self.nodes[node].token
 
+    def path_ranks(self, node: int) -> list[int]:
+        """Sibling rank of each edge from the root down to ``node`` (0: its parent's most likely
+        child; children are kept in the order :meth:`add_children` adds them, heaviest first)."""
+        out = []
+        while node != self.root:
+            parent = self.nodes[node].parent
+            out.append(list(self.nodes[parent].children.values()).index(node))
+            node = parent
+        return out[::-1]
+
     def can_expand(self, width: int) -> bool:
         """True if an expansion of ``width`` leaves fits the node and tree-cache caps."""
         if not self._heap:

@@ -198,7 +198,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 r.reset_stats()
             if draft is not None:
                 draft.debug = req.trace
-                draft.replay = req.replay is not None
+                draft.replay = req.replay
             # mid-request, the only message the engine sends is a cancel
             stop = scheduler.StopChecker(req, decode, cancelled=engine.poll)
             if spec.kind == "autoregressive":

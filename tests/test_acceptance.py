@@ -53,6 +53,7 @@ def test_replaying_a_pairs_own_trace_gives_its_output_and_its_acceptance(tiny_di
     with Engine(tiny_dir, None, config=EngineConfig(mode="autoregressive", dtype="float32")) as ar:
         entries = _trace_of(ar, tiny_draft_dir, prompts, 24)
     assert any(r is not None for e in entries for r in e["ranks"][1:])
+    doc = {"profile": acceptance.profile(entries)}
     with Engine(tiny_dir, tiny_draft_dir, config=EngineConfig(mode=mode, dtype="float32", d=2)) as eng:
         for e in entries:
             params = SamplingParams(max_tokens=len(e["tokens"]), ignore_eos=True)
@@ -61,6 +62,26 @@ def test_replaying_a_pairs_own_trace_gives_its_output_and_its_acceptance(tiny_di
             assert replayed.token_ids == plain.token_ids == e["tokens"]
             if mode != "async":  # async's trees depend on timing; serial and colocated (on CPU) do not
                 assert replayed.metrics.compression_ratio == plain.metrics.compression_ratio
+            # the tree grown with the recorded log-probabilities (its shape may differ): same tokens
+            shaped = eng.generate(e["prompt_ids"], params, replay=acceptance.Replay.of(doc, e))
+            assert shaped.token_ids == e["tokens"]
+
+
+def test_recorded_log_probabilities_shape_the_tree_on_the_recorded_path_only():
+    from swiftspec.tree import DraftTree
+
+    r = acceptance.Replay((None, 1, 0, None), ((0.0,), (-0.1, -2.0), (-0.5, -1.0, -3.0), (-0.2, -0.3)),
+                          (-1.0, -2.0, -3.0))
+    assert r.child_logprobs(0, [], 2) == [-0.1, -2.0]  # the root (index 0): its children are token 1
+    assert r.child_logprobs(0, [1], 3) == [-0.5, -1.0, -3.0]  # rank 1 at index 1 is on the path
+    assert r.child_logprobs(0, [0], 3) == [-1.0, -2.0, -3.0]  # off the path: the profile
+    assert r.child_logprobs(0, [1, 0], 3) == [-0.2, -0.3, float("-inf")]  # kept values end: -inf
+    assert r.child_logprobs(0, [1, 0, 0], 2) == [-1.0, -2.0]  # index 3 is absent: nothing on the path
+    assert acceptance.Replay((0, 0)).child_logprobs(0, [], 2) is None
+    t = DraftTree(5, 3)
+    exp = t.plan_expansion(1)
+    t.add_children(exp, torch.tensor([[-0.1, -0.5, -0.9]]), torch.tensor([[7, 8, 9]]))
+    assert [t.path_ranks(n) for n in range(4)] == [[], [0], [1], [2]]
 
 
 def test_replay_on_other_models_accepts_exactly_the_recorded_ranks(tiny_dir, tiny_llama_dir):
@@ -125,6 +146,8 @@ def test_shipped_trace_is_the_default_pairs():
     assert {p["dataset"] for p in doc["prompts"]} == set(DATASETS)
     assert "1.5b" in doc["target"].lower() and "0.5b" in doc["draft"].lower()
     assert all(r is None or r < doc["k"] for p in doc["prompts"] for r in p["ranks"])
+    assert len(doc["profile"]) == acceptance.LOGPROBS_K and doc["profile"] == sorted(doc["profile"], reverse=True)
+    assert all(len(row) == acceptance.LOGPROBS_K for p in doc["prompts"] for row in p["logprobs"])
     s = acceptance.summary(doc)
     assert s["positions"] > 1000 and 0.3 < s["top1"] < 1.0
 

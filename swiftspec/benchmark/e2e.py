@@ -346,8 +346,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if args.device == "cuda" or cpu_has_bf16() else "float32")
     cores = sorted(os.sched_getaffinity(0))
-    # (dataset, prompt ids, tokens to generate, acceptance ranks to replay or None)
-    prompts: list[tuple[str, list[int], int, list | None]] = []
+    # (dataset, prompt ids, tokens to generate, the acceptance to replay or None)
+    prompts: list[tuple] = []
     if args.random_weights:
         _, prompts = replay.trace_prompts(args)
         target_dir, draft_dir = replay.random_pair(args, dtype)

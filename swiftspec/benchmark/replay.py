@@ -59,9 +59,10 @@ def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
             materialize(args.draft_config or DEFAULT_CONFIGS[1], dtype))
 
 
-def trace_prompts(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list[int], int, list]]]:
-    """The trace and its prompts for this run: (dataset, prompt ids, tokens to generate, ranks),
-    the first ``--num-prompts`` of each dataset in ``--prompts``, at most ``--max-tokens`` tokens each."""
+def trace_prompts(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list[int], int, "Replay"]]]:
+    """The trace and its prompts for this run: (dataset, prompt ids, tokens to generate, its
+    :class:`~swiftspec.acceptance.Replay`), the first ``--num-prompts`` of each dataset in
+    ``--prompts``, at most ``--max-tokens`` tokens each."""
     from swiftspec import acceptance
 
     doc = acceptance.load(args.acceptance or PACKAGED_TRACE)
@@ -73,7 +74,7 @@ def trace_prompts(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list[
             continue
         per[ds] = per.get(ds, 0) + 1
         n = min(args.max_tokens, len(p["tokens"]))
-        out.append((ds, p["prompt_ids"], n, p["ranks"][:n]))
+        out.append((ds, p["prompt_ids"], n, acceptance.Replay.of(doc, p, n)))
     if not out:
         raise ValueError(f"the trace holds no prompt of {args.prompts}")
     return doc, out
