@@ -332,3 +332,22 @@ def test_device_forward_on_cpu_with_random_weights(tmp_path):
     layer = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # q, o; k, v (2 KV heads x 16); gate, up, down
     biases = 4 * (64 + 32 + 32)  # qwen2's q/k/v biases
     assert rec["rows"][0]["weight_bytes"] == 2 * (layer + biases) + 4 * 128 * 64  # the LM head's first 128 rows
+
+
+def test_hf_compile_peer_is_greedy_equal_and_compiles_once(tiny_dir):
+    """The static-cache + torch.compile transformers peer: compiled while it starts, the same
+    greedy tokens as eager transformers, and no recompilation for prompts of other lengths (the
+    static cache is sized once for the run)."""
+    from torch._dynamo.utils import counters
+
+    from swiftspec.benchmark.peers import HFPeer
+
+    compiled = HFPeer(tiny_dir, None, "float32", threads=2, compiled=True, max_cache_len=128)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0 and compiled.system == "hf-compile"
+    eager = HFPeer(tiny_dir, None, "float32", threads=2)
+    for prompt in ([5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))):
+        got, m = compiled.generate(prompt, 16, ignore_eos=True)
+        assert len(got) == 16 and got == eager.generate(prompt, 16, ignore_eos=True)[0]
+        assert m.num_tokens == 16
+    assert counters["stats"]["unique_graphs"] == graphs

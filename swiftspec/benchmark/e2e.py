@@ -1,7 +1,8 @@
 """End-to-end decoding benchmark: SwiftSpec modes and peer decoders side by side.
 
 Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (SwiftSpec-base),
-``autoregressive`` (our target alone), ``hf`` (transformers ``generate``, target alone),
+``autoregressive`` (our target alone), ``hf`` (transformers ``generate``, target alone), ``hf-compile``
+(the same with a static cache and the decode step compiled),
 ``hf-assisted`` (transformers assisted generation with the draft), ``swiftspec-profiled``
 (the engine as the ``--config`` written by ``swiftspec profile`` sets it up: mode, cores, tree
 shape, ``d``), ``llama-cpp`` (llama.cpp on
@@ -39,7 +40,7 @@ PAPER_TABLE6 = {"swiftspec-async": {"ALP": 2.92, "GSM": 3.78, "HE": 3.92, "MT": 
 SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled", "swiftspec-serial",
            "swiftspec-colocated",
            "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
-           "autoregressive-dequantized", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec",
+           "autoregressive-dequantized", "hf", "hf-compile", "hf-assisted", "llama-cpp", "llama-cpp-spec",
            "pipeline-autoregressive", "pipedec", "pipeinfer")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
                 "swiftspec-colocated": "colocated",
@@ -194,6 +195,9 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
         return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d, device=args.device)
     if system == "hf":
         return HFPeer(target_dir, None, dtype, threads=len(cores), device=args.device)
+    if system == "hf-compile":
+        return HFPeer(target_dir, None, dtype, threads=len(cores), device=args.device, compiled=True,
+                      max_cache_len=n_ctx)
     if system == "hf-assisted":
         return HFPeer(target_dir, draft_dir, dtype, threads=len(cores), device=args.device)
     if system in ("llama-cpp", "llama-cpp-spec"):
@@ -272,7 +276,7 @@ def markdown(records: list[dict]) -> str:
               "(Qwen2-72B / Qwen2-1.5B on 8 GPUs) for reference:", "",
               f"| system | {head} |", "|" + "---|" * (len(datasets) + 1)]
     for s in systems:
-        if s in ("autoregressive", "hf", "llama-cpp", "pipeline-autoregressive", "pipedec", "pipeinfer"):
+        if s in ("autoregressive", "hf", "hf-compile", "llama-cpp", "pipeline-autoregressive", "pipedec", "pipeinfer"):
             continue
         lines.append(f"| {s} | " + " | ".join(
             f"{get[(s, d)]['compression_ratio']:.2f}" if (s, d) in get else "-" for d in datasets) + " |")

@@ -1,6 +1,9 @@
 """Peer decoders measured by bench/e2e.py on the same models, dtype and prompts.
 
 - ``hf``: Hugging Face transformers ``generate()`` with the target alone.
+- ``hf-compile``: the same with a static KV cache sized once for the whole run and the decode
+  step compiled by ``torch.compile`` (transformers' own recipe: ``cache_implementation="static"``
+  plus a ``CompileConfig``, mode "reduce-overhead", i.e. CUDA graphs, on CUDA), compiled at start.
 - ``hf-assisted``: transformers' assisted generation, the draft as ``assistant_model``.
 - ``llama-cpp``: llama.cpp through ``llama-cpp-python`` on the same GGUF file (optional:
   ``pip install llama-cpp-python``, which builds llama.cpp from source).
@@ -44,7 +47,9 @@ class HFPeer:
     """transformers ``generate`` (greedy), optionally with an assistant (draft) model."""
 
     def __init__(self, target_dir, draft_dir=None, dtype: str = "bfloat16", threads: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", compiled: bool = False, max_cache_len: int = 4096):
+        """``compiled``: static cache of ``max_cache_len`` tokens (prompt + generated, every call)
+        and the decode step compiled (see the module docstring); one warm-up generation here."""
         from transformers import AutoModelForCausalLM
 
         if threads:
@@ -57,7 +62,16 @@ class HFPeer:
             self.assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dt).to(self.device).eval()
         self.forwards = 0
         self.model.register_forward_hook(self._count)
-        self.system = "hf-assisted" if draft_dir is not None else "hf"
+        self.system = "hf-assisted" if draft_dir is not None else "hf-compile" if compiled else "hf"
+        if compiled:
+            from transformers import CompileConfig
+
+            gc = self.model.generation_config
+            gc.cache_implementation, gc.max_cache_len = "static", max_cache_len
+            gc.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if self.device.type == "cuda"
+                                              else "default")
+            gc.compile_config._compile_all_devices = True  # transformers compiles on accelerators only otherwise
+            self.generate([0] * 8, 4, ignore_eos=True)  # compiles the decode step outside every timing
 
     def _count(self, *_):
         self.forwards += 1

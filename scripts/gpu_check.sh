@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks of a machine that has torch, transformers and nvcc but no network and no
+# checkpoint: run from the repository root, one stage per command (each well under 10 minutes on
+# an H100), results under $OUT (default ./gpu-out).
+#
+#   bash scripts/gpu_check.sh tests     # build the CUDA kernels, run every CUDA test (junit XML + log)
+#   bash scripts/gpu_check.sh forward   # bench/device_forward.py: forward time vs the HBM limit
+#   bash scripts/gpu_check.sh e2e       # swiftspec bench on random weights, the shipped acceptance trace
+#
+# Nothing is installed: the package runs from this checkout (PYTHONPATH), gguf is not needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export SWIFTSPEC_CACHE=${SWIFTSPEC_CACHE:-$PWD/.cache-gpu}
+PY=${PYTHON:-python}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1 || true
+case "${1:-}" in
+  tests)
+    "$PY" -m pytest -q -rs tests/test_cuda_build.py tests/test_cuda_kernels.py tests/test_graphs.py \
+        tests/test_cuda_engine.py --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.log" ;;
+  forward)
+    "$PY" bench/device_forward.py --device cuda --out "$OUT/device-forward.json" 2>&1 | tee "$OUT/forward.log" ;;
+  e2e)
+    # random weights of the default pair's shapes (bf16, built into $SWIFTSPEC_CACHE on first use);
+    # every SwiftSpec mode replays the default pair's recorded acceptance
+    "$PY" -m swiftspec bench --device cuda --random-weights --num-prompts "${PROMPTS:-2}" --max-tokens 128 \
+        --systems autoregressive swiftspec-colocated swiftspec-serial hf hf-compile \
+        --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh tests|forward|e2e" >&2; exit 2 ;;
+esac
