@@ -286,9 +286,12 @@ def soak(url: str, server: Server | None, prompts: list[str], requests: int = 50
 def restart(url: str, server: Server, headers: dict | None = None) -> dict:
     """Kill one worker; the next request must get 503 at once, the one after it an answer."""
     body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
-    victim = server.workers()[0]
-    os.kill(victim, signal.SIGKILL)
     with httpx.Client(base_url=url, headers=headers or {}, timeout=900) as c:
+        # answered only once the engine is idle (streams the clients dropped may still be cancelling,
+        # and a worker killed then would fail that cancellation, not the request measured here)
+        c.post("/v1/chat/completions", json=body).raise_for_status()
+        victim = server.workers()[0]
+        os.kill(victim, signal.SIGKILL)
         t0 = time.perf_counter()
         r1 = c.post("/v1/chat/completions", json=body)
         t1 = time.perf_counter()

@@ -413,8 +413,15 @@ class Engine:
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                chat: bool | None = None, trace: bool = False,
-               replay: "Replay | list[int | None] | None" = None) -> Iterator[StreamChunk]:
-        """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are verified."""
+               replay: "Replay | list[int | None] | None" = None,
+               nowait: bool = False) -> Iterator[StreamChunk | None]:
+        """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are verified.
+
+        ``nowait``: for event loops: where the stream would wait for the workers it yields None
+        instead; the caller waits until one of :meth:`wait_fds` is readable (or up to a second,
+        so a dead worker is noticed) and resumes it. The generator must be resumed and closed in
+        one thread at a time; closing an unfinished stream cancels the request and waits (up to
+        one decoding iteration) for the workers to acknowledge."""
         if self._closed:
             raise EngineError("engine is closed")
         params = params or SamplingParams()
@@ -443,13 +450,18 @@ class Engine:
         t_start = time.perf_counter()
         for conn in self._leader_conns.values():
             conn.send(("generate", req))
-        yield from self._collect(req, t_start)
+        yield from self._collect(req, t_start, nowait)
 
-    def _collect(self, req: Request, t_start: float) -> Iterator[StreamChunk]:
+    def wait_fds(self) -> list[int]:
+        """File descriptors that become readable when a worker has a message for a stream or a
+        worker exits (see :meth:`stream`'s ``nowait``)."""
+        return [c.fileno() for c in self._leader_conns.values()] + [p.sentinel for p in self._procs]
+
+    def _collect(self, req: Request, t_start: float, nowait: bool = False) -> Iterator[StreamChunk | None]:
         st = _Collected(detok=IncrementalText(self.tokenizer, req.params.stop))
         conns = list(self._leader_conns.values())
         try:
-            yield from self._receive(req, st, conns)
+            yield from self._receive(req, st, conns, nowait)
         finally:
             if st.expect_done and not self._closed:  # the caller stopped reading the stream
                 self._cancel(st.expect_done, conns)
@@ -473,21 +485,29 @@ class Engine:
         ids, lps = st.unsent(want_lp)
         yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", ids, True, out, lps)
 
-    def _messages(self, conns: list[Connection]) -> Iterator[tuple]:
+    def _messages(self, conns: list[Connection], nowait: bool = False) -> Iterator[tuple]:
         """Worker messages as they arrive, plus a ``("tick",)`` after every wait (at most 1 s) so
-        callers can keep time; between waits, a dead worker raises WorkerError."""
+        callers can keep time; between waits, a dead worker raises WorkerError. ``nowait``:
+        ``("would_block",)`` where it would wait (the caller waits, see :meth:`stream`)."""
         while True:
-            wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
+            if not nowait:
+                wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
+            elif not any(c.poll() for c in conns):
+                self._check_alive()
+                yield ("would_block",)
             for conn in conns:
                 while conn.poll():
                     yield self._recv(conn)
             self._check_alive()
             yield ("tick",)
 
-    def _receive(self, req: Request, st: "_Collected", conns: list[Connection]) -> Iterator[StreamChunk]:
+    def _receive(self, req: Request, st: "_Collected", conns: list[Connection],
+                 nowait: bool = False) -> Iterator[StreamChunk | None]:
         st.expect_done = set(self._leader_conns)
-        for msg in self._messages(conns):
-            if msg[0] == "tokens":
+        for msg in self._messages(conns, nowait):
+            if msg[0] == "would_block":
+                yield None
+            elif msg[0] == "tokens":
                 _, new, t, lps = msg
                 st.events.append((t, len(new)))
                 st.tokens += new

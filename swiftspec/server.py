@@ -4,11 +4,13 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/complet
 ``suffix`` for fill-in-the-middle), ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Latency first: one request decodes at a time; the others wait in arrival order (FIFO), at most
-``max_queue`` of them, and the next one gets 429. The engine is blocking, so a request runs on a
-worker thread that forwards the engine's stream chunks to the event loop; a client that
-disconnects sets a flag the thread checks at every chunk, and closing the engine's stream cancels
-the request in the workers (:meth:`swiftspec.engine.Engine.stream`), so the engine is free for
-the next request one iteration later. A dead worker (:class:`~swiftspec.engine.WorkerError`)
+``max_queue`` of them, and the next one gets 429. The engine's stream runs on the event loop
+itself (``Engine.stream(nowait=True)``: it yields None instead of blocking, and the loop waits
+for the workers' pipes to become readable), so each chunk wakes one thread of the server, not an
+engine thread and then the loop: on a machine whose cores all decode, every wake-up takes time
+from the workers. A client that disconnects closes the stream, which cancels the request in the
+workers (:meth:`swiftspec.engine.Engine.stream`; the wait for their acknowledgement runs off the
+loop), so the engine is free for the next request one iteration later. A dead worker (:class:`~swiftspec.engine.WorkerError`)
 gives the request in flight 503 at once; the engine is then restarted in the background while
 holding the slot, so queued requests wait for it (they are not failed) and ``/health`` answers 503
 ``{"status": "restarting"}`` meanwhile. The restart takes as long as an engine start (models
@@ -18,7 +20,6 @@ already converted in the cache; the ``swiftspec_engine_restart_seconds`` gauge h
 import asyncio
 import contextlib
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -120,22 +121,6 @@ class EngineHost:
                 await self._restart_task
         self.engine.close()
 
-    def _produce(self, prompt, params, chat: bool, put, cancel: threading.Event) -> None:
-        """Worker thread: run the engine's stream, hand each chunk to ``put``; stop at ``cancel``."""
-        try:
-            gen = self.engine.stream(prompt, params, chat=chat)
-            try:
-                for chunk in gen:
-                    put(("chunk", chunk))
-                    if cancel.is_set():
-                        break
-            finally:
-                gen.close()  # an unfinished request is cancelled in the workers
-        except BaseException as e:  # reported to the request, never lost in the thread
-            put(("error", e))
-        else:
-            put(("end", None))
-
     def _restart(self) -> None:
         """Close the engine (every worker stopped) and start a new one; a failure is kept in
         ``restart_error`` (the next request retries) instead of raised."""
@@ -161,29 +146,42 @@ class EngineHost:
         Raises:
             APIError: 429 (queue full), 400 (the engine refused the prompt or parameters), 503
                 (a worker died: the engine is restarted before the slot is released)."""
+        import anyio
+
         from swiftspec.engine import EngineError, WorkerError
 
         async with self.slot():
             loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            cancel = threading.Event()
-            thread = loop.run_in_executor(None, self._produce, prompt, params, chat,
-                                          lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), cancel)
+            gen = self.engine.stream(prompt, params, chat=chat, nowait=True)
+            ready = asyncio.Event()  # a worker wrote to its pipe, or exited
+            fds = self.engine.wait_fds()
+            for fd in fds:
+                loop.add_reader(fd, ready.set)
             error = None
             try:
                 while True:
-                    kind, item = await queue.get()
-                    if kind == "chunk":
-                        yield item
-                    elif kind == "error":
-                        error = item
+                    try:
+                        chunk = next(gen)  # never blocks: None where it would wait for the workers
+                    except StopIteration:
                         break
-                    else:
+                    except Exception as e:  # noqa: BLE001 - reported to the request, below
+                        error = e
                         break
+                    if chunk is not None:
+                        yield chunk
+                        continue
+                    ready.clear()
+                    with anyio.move_on_after(1.0):  # resumed at least every second: a dead worker is noticed
+                        await ready.wait()
             finally:
-                cancel.set()
+                for fd in fds:
+                    loop.remove_reader(fd)
                 with anyio_shield():  # the engine must be idle before the next request runs
-                    await thread
+                    try:  # an unfinished stream (client gone) cancels the request in the workers and
+                        # waits for them (one iteration): off the event loop
+                        await loop.run_in_executor(None, gen.close)
+                    except Exception as e:  # noqa: BLE001 - the workers died meanwhile: restart below
+                        error = error or e
                 # a dead worker (WorkerError), or its pipe gone (OSError): restart when the slot ends
                 self._restart_pending = error is not None and not isinstance(error, (ValueError, TypeError))
             if isinstance(error, (ValueError, TypeError)):
