@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 # the configuration lives in swiftspec.config; its names stay importable from here
 from swiftspec.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, WEIGHT_FORMATS, EngineConfig,  # noqa: F401
@@ -29,6 +29,9 @@ from swiftspec.placement import Group, PlacementError, plan_groups
 from swiftspec.sampling import SamplingParams, TokenLogprob
 from swiftspec.scheduler import Request
 from swiftspec.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
+
+if TYPE_CHECKING:
+    from swiftspec.acceptance import Replay
 
 
 
