@@ -15,6 +15,7 @@ import torch
 
 from swiftspec.models.llama import load_model
 from swiftspec.parallel import LOCAL, TPContext
+from swiftspec.sampling import SampleHead, sample_rows
 
 
 class ModelRunner:
@@ -90,7 +91,8 @@ class ModelRunner:
         """Run ``n`` tokens (see :meth:`LlamaForCausalLM.forward`) and return, on the host, for
         the ``k = len(logits_rows)`` selected rows (None when none are asked for): ``head`` None:
         float32 logits ``[k, vocab]``; "argmax": int64 ``[k]`` greedy tokens (first index on
-        ties); an int ``t``: the ``t`` most likely tokens of each row, ``(values, ids)``, float32
+        ties); a :class:`~swiftspec.sampling.SampleHead`: int64 ``[k]`` sampled tokens
+        (:func:`~swiftspec.sampling.sample_rows`, one uniform per row); an int ``t``: the ``t`` most likely tokens of each row, ``(values, ids)``, float32
         log-probabilities and int64 ids ``[k, t]``, heaviest first. The reductions run where the
         model runs, so on a GPU only ids and log-probabilities come back. Inputs may be host
         tensors (moved to the runner's device here)."""
@@ -189,10 +191,12 @@ class StagingBuffer:
         return [None if t is None else next(views) for t in tensors]
 
 
-def _reduce(logits: torch.Tensor, head: str | int | None):
+def _reduce(logits: torch.Tensor, head: str | int | SampleHead | None):
     """The rows' ``head`` (see :meth:`ModelRunner.forward`) from float32 logits ``[k, vocab]``."""
     if head is None:
         return logits
+    if isinstance(head, SampleHead):
+        return sample_rows(logits, head.params, torch.tensor(head.uniforms, dtype=torch.float64, device=logits.device))
     if head == "argmax":
         return logits.argmax(-1)
     values, ids = torch.log_softmax(logits, dim=-1).topk(min(int(head), logits.shape[-1]), dim=-1)

@@ -85,30 +85,87 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class SampleHead:
+    """What a forward returns per row for a sampled request without log-probabilities (the
+    runner's ``head``, :func:`swiftspec.verify.target_head`): each row's token drawn by
+    :func:`sample_rows` with ``params`` and the row's ``uniforms`` entry, where the model runs."""
+
+    params: SamplingParams
+    uniforms: tuple[float, ...]
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[k, vocab]`` float32 distributions sampled from: softmax of ``logits / temperature``
+    after top-k, renormalized after top-p (the smallest set of most likely tokens whose mass
+    reaches ``top_p``). Row-wise, on the logits' device."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sp, si = probs.sort(dim=-1, descending=True)
+        before = sp.cumsum(-1) - sp  # mass strictly before each token
+        sp = sp.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling, on the logits' device (no host round trip).
+
+    :func:`filtered_probs`, then the first token whose cumulative probability (float64) exceeds
+    ``u * total``; a ``u`` landing on the edge of a zero-mass run takes the last token with mass
+    before it. Rows are independent: a row's token depends on its logits and its ``u`` only.
+
+    Args:
+        logits: ``[k, vocab]`` float logits.
+        params: a sampled request's parameters (``temperature > 0``).
+        u: ``[k]`` float64 uniforms in [0, 1), on the logits' device.
+    Returns:
+        ``[k]`` int64 token ids.
+    """
+    probs = filtered_probs(logits, params)
+    vocab = probs.shape[-1]
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(max=vocab - 1)
+    ids = torch.arange(vocab, device=probs.device).expand_as(probs)
+    last_with_mass = torch.where(probs > 0, ids, -1).cummax(-1).values
+    return last_with_mass.gather(-1, idx).squeeze(-1)
+
+
 class Sampler:
-    """Draws tokens from ``[vocab]`` float32 logits according to :class:`SamplingParams`."""
+    """Draws tokens from ``[vocab]`` float32 logits according to :class:`SamplingParams`.
+
+    The request's ``i``-th sampled token uses the ``i``-th uniform of its seeded generator
+    (:meth:`uniform`), whichever mode produced it and whether it was drawn here or where the
+    model runs (:class:`SampleHead`): with a seed, the output is the same in every mode.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.gen = torch.Generator()
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.gen.manual_seed(seed)
+        self.position = 0  # tokens sampled so far (the next one uses uniform(position))
+        self._uniforms: list[float] = []
+
+    def uniform(self, i: int) -> float:
+        """The request's ``i``-th uniform in [0, 1) (float64; drawn in order, kept once drawn)."""
+        while len(self._uniforms) <= i:
+            self._uniforms.append(float(torch.rand((), generator=self.gen, dtype=torch.float64)))
+        return self._uniforms[i]
+
+    def head(self, depths: list[int]) -> SampleHead:
+        """The :class:`SampleHead` of a verification whose rows sit ``depths`` below the root: a
+        row at depth ``j`` predicts the token after ``position + j`` sampled ones."""
+        return SampleHead(self.params, tuple(self.uniform(self.position + j) for j in depths))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution actually sampled from (after temperature, top-k, top-p): ``[vocab]``."""
-        p = self.params
-        x = logits.float() / p.temperature
-        if p.top_k and p.top_k < x.numel():
-            kth = x.topk(p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sp, si = probs.sort(descending=True)
-            before = sp.cumsum(0) - sp  # mass strictly before each token
-            sp = sp.masked_fill(before >= p.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, si, sp)
-            probs = probs / probs.sum()
-        return probs
+        return filtered_probs(logits[None], self.params)[0]
 
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
         """``token``'s :class:`TokenLogprob` from ``[vocab]`` logits (``params.logprobs`` alternatives)."""
@@ -125,14 +182,11 @@ class Sampler:
         return TokenLogprob(token, float(lp[token]), top)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """One token id from ``[vocab]`` logits (greedy: argmax, first index on ties)."""
+        """The next token id from ``[vocab]`` logits (greedy: argmax, first index on ties; else
+        :func:`sample_rows` with the next uniform)."""
+        i = self.position
+        self.position += 1
         if self.params.greedy:
             return int(torch.argmax(logits))
-        probs = self.probs(logits)
-        u = torch.rand((), generator=self.gen, dtype=torch.float64)
-        cdf = probs.double().cumsum(0)
-        idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-        idx = min(idx, probs.numel() - 1)
-        while probs[idx] == 0:  # u landed on the edge of a zero-mass run
-            idx -= 1
-        return idx
+        u = torch.tensor([self.uniform(i)], dtype=torch.float64, device=logits.device)
+        return int(sample_rows(logits[None], self.params, u)[0])

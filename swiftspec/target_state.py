@@ -46,7 +46,7 @@ class TargetState:
         pos = torch.arange(n)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
         logits = self.runner.forward(torch.tensor(prompt_ids), pos, pos, mask, torch.tensor([n - 1]),
-                                     target_head(sampler))
+                                     target_head(sampler, [0]))
         self.prefix_len = n
         res = walk([-1], [-1], logits, sampler)  # a lone node: its sample is the bonus token
         self.root = res.bonus
@@ -62,8 +62,9 @@ class TargetState:
 
     def launch(self, sg: Subgraph, sampler: Sampler) -> Launched:
         """The verification forward of :meth:`verify`, started (on CUDA it runs on the target's
-        stream while the caller goes on; :meth:`accept` finishes it). Greedy requests without
-        log-probabilities get each row's argmax from the device, the others the logits.
+        stream while the caller goes on; :meth:`accept` finishes it). Requests without
+        log-probabilities get each row's token from the device (argmax, or sampled with the
+        uniform of its position: :func:`swiftspec.verify.target_head`), the others the logits.
         Raises as :meth:`verify`."""
         if sg.tokens[0] != self.root:
             raise ValueError(f"subgraph root {sg.tokens[0]} is not the verified root {self.root}")
@@ -73,7 +74,7 @@ class TargetState:
         slots = torch.arange(L, L + bs)
         pos = torch.tensor(sg.depths) + L
         return self.runner.launch(torch.tensor(sg.tokens), pos, slots, ancestor_mask(sg.parents, L),
-                                  torch.arange(bs), target_head(sampler))
+                                  torch.arange(bs), target_head(sampler, sg.depths))
 
     def accept(self, sg: Subgraph, launched: Launched, sampler: Sampler, max_new: int | None = None,
                replay: list[int | None] | None = None) -> VerifyResult:

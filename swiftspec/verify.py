@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiftspec.sampling import Sampler, TokenLogprob
+from swiftspec.sampling import SampleHead, Sampler, TokenLogprob
 
 
 @dataclass
@@ -36,10 +36,14 @@ class VerifyResult:
         return self.tokens[-1]
 
 
-def target_head(sampler: Sampler) -> str | None:
-    """What the target's forward returns per row for this request: "argmax" (greedy, no
-    log-probabilities: only the token ids leave the device) or None (the full logits)."""
-    return "argmax" if sampler.params.greedy and sampler.params.logprobs is None else None
+def target_head(sampler: Sampler, depths: list[int]) -> str | SampleHead | None:
+    """What the target's forward returns per row for this request, whose rows sit ``depths``
+    below the root: without log-probabilities only token ids leave the device, each row's
+    argmax ("argmax", greedy) or its sample with the uniform of the row's position
+    (:class:`~swiftspec.sampling.SampleHead`); with log-probabilities None (the full logits)."""
+    if sampler.params.logprobs is not None:
+        return None
+    return "argmax" if sampler.params.greedy else sampler.head(depths)
 
 
 def replayed_token(candidates: list[int], rank: int | None, own: int) -> int:
@@ -65,9 +69,10 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
         tokens: ``[bs]`` subgraph token ids, root first, parents before children.
         parents: ``[bs]`` parent index of each node (-1 for the root).
         logits: ``[bs, vocab]`` float32 target logits; row i predicts the token after node i.
-            Or, for a greedy request without log-probabilities, ``[bs]`` int64: each row's
-            argmax, reduced where the target ran (:meth:`swiftspec.runner.ModelRunner.forward`,
-            ``head="argmax"``).
+            Or, for a request without log-probabilities, ``[bs]`` int64: each row's token,
+            chosen where the target ran (:meth:`swiftspec.runner.ModelRunner.forward` with
+            :func:`target_head`: the argmax, or the sample with the uniform of the row's
+            position, so the walk emits what sampling here would have).
         sampler: the request's sampler.
         max_new: stop after this many verified tokens (the request's remaining budget).
         replay: benchmarks only: the recorded rank of the real target's token among the real
@@ -90,13 +95,17 @@ def walk(tokens: list[int], parents: list[int], logits: torch.Tensor, sampler: S
     limit = max_new if max_new is not None else len(tokens)
     node, accepted, out, lps = 0, [], [], []
     want_lp = sampler.params.logprobs is not None
-    argmax = logits.tolist() if logits.dim() == 1 else None
-    if argmax is not None and (want_lp or not sampler.params.greedy):
-        raise ValueError("walk: argmax rows only serve a greedy request without log-probabilities")
-    if replay is not None and argmax is None:
+    rows = logits.tolist() if logits.dim() == 1 else None
+    if rows is not None and want_lp:
+        raise ValueError("walk: token rows only serve a request without log-probabilities")
+    if replay is not None and (rows is None or not sampler.params.greedy):
         raise ValueError("walk: a replayed acceptance trace needs argmax rows (a greedy request)")
     while True:
-        tok = argmax[node] if argmax is not None else sampler.sample(logits[node])
+        if rows is not None:
+            tok = rows[node]
+            sampler.position += 1  # as sample() counts the tokens it draws
+        else:
+            tok = sampler.sample(logits[node])
         if replay is not None:
             depth = len(out)
             tok = replayed_token(candidates[node] if candidates is not None else list(children[node]),

@@ -262,7 +262,7 @@ def test_runner_heads_are_the_host_reductions(tiny_dir):
     """The reductions the runner returns instead of logits (greedy tokens for the target, the
     draft's top-k) are bit for bit the host's reductions of its logits; the walk on argmax rows
     equals the walk on logits, and refuses them for a sampled request or one with logprobs."""
-    from swiftspec.verify import walk
+    from swiftspec.verify import target_head, walk
 
     runner = ModelRunner(str(tiny_dir), capacity=64)
     n = len(PROMPT)
@@ -276,12 +276,49 @@ def test_runner_heads_are_the_host_reductions(tiny_dir):
         else:
             vals, ids = torch.log_softmax(logits, -1).topk(3, dim=-1)
             assert torch.equal(got[0], vals) and torch.equal(got[1], ids)
-    tokens, parents = PROMPT[:4], [-1, 0, 1, 1]
+    tokens, parents, depths = PROMPT[:4], [-1, 0, 1, 1], [0, 1, 2, 2]
     greedy = Sampler(SamplingParams())
     assert walk(tokens, parents, logits[:4].argmax(-1), greedy) == walk(tokens, parents, logits[:4], greedy)
-    for params in (SamplingParams(temperature=1.0), SamplingParams(logprobs=1)):
-        with pytest.raises(ValueError, match="argmax rows"):
-            walk(tokens, parents, logits[:4].argmax(-1), Sampler(params))
+    # sampled where the model runs: each row with the uniform of its position, so the walk emits
+    # what the host's sequential sampling emits, and the request's position advances the same
+    for seed in range(20):
+        params = SamplingParams(temperature=1.0 + seed % 3, top_p=0.9 if seed % 2 else 1.0,
+                                top_k=5 if seed % 4 == 1 else 0, seed=seed)
+        host, device = Sampler(params), Sampler(params)
+        for _ in range(seed % 3):  # a request some tokens in
+            host.sample(logits[0])
+            device.sample(logits[0])
+        head = target_head(device, depths)
+        rows = runner.forward(*args[:4], torch.arange(4), head)
+        assert rows.dtype == torch.int64 and rows.shape == (4,)
+        assert walk(tokens, parents, rows, device) == walk(tokens, parents, logits[:4], host)
+        assert device.position == host.position
+    with pytest.raises(ValueError, match="token rows"):
+        walk(tokens, parents, logits[:4].argmax(-1), Sampler(SamplingParams(logprobs=1)))
+
+
+def test_sample_rows_is_the_sequential_inverse_cdf():
+    """The batched sampler (the device path) draws, per row, the token the one-row inverse CDF
+    draws with the same uniform: temperature, top-k, top-p, and uniforms on the edge of a
+    zero-mass run (top-p zeroes the tail) included."""
+    from swiftspec.sampling import filtered_probs, sample_rows
+
+    def one(row, params, u):  # the sequential reference: scan the float64 CDF
+        probs = filtered_probs(row[None], params)[0].double()
+        cdf, target = probs.cumsum(0), u * probs.sum()
+        idx = next((i for i, c in enumerate(cdf.tolist()) if c > target), len(cdf) - 1)
+        while probs[idx] == 0:
+            idx -= 1
+        return idx
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=4),
+                   SamplingParams(temperature=1.3, top_p=0.5), SamplingParams(temperature=1.0, top_k=10, top_p=0.8)):
+        for u in (torch.rand(6, generator=gen, dtype=torch.float64), torch.full((6,), 0.999999999),
+                  torch.zeros(6, dtype=torch.float64)):
+            got = sample_rows(logits, params, u)
+            assert got.tolist() == [one(logits[i], params, float(u[i])) for i in range(6)], params
 
 
 def test_staging_buffer_packs_a_step_into_one_copy():
