@@ -19,6 +19,10 @@ def test_non_editable_install_builds_the_cpu_kernels(tmp_path):
     assert (site / "swiftspec" / "_csrc" / "cpu" / "quant_gemm.cpp").is_file()
     prompts = site / "swiftspec" / "data" / "eval_prompts"
     assert len(list(prompts.glob("*.jsonl"))) == 6 and (prompts / "LICENSE.EAGLE").is_file()
+    # what `swiftspec bench --random-weights` needs from the package: the pair's shapes and trace
+    data = site / "swiftspec" / "data"
+    assert len(list((data / "model_configs").glob("*.json"))) == 2
+    assert (data / "traces" / "default-pair.json").is_file()
     code = ("import swiftspec.ops.cpu as c, torch\n"
             "assert c.CSRC.parent.name == 'swiftspec' and c.CSRC.name == '_csrc', c.CSRC\n"
             "m = c.load()\n"
