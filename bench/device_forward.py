@@ -34,21 +34,14 @@ DEFAULT_MODELS = list(DEFAULT_CONFIGS)
 
 
 def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Our model of ``config``'s shapes, random weights (normal, std ``initializer_range``; norms 1), on ``device``."""
-    from swiftspec.models.config import ModelConfig
-    from swiftspec.models.llama import LlamaForCausalLM
+    """Our model of ``config``'s shapes with random weights, on ``device``: the checkpoint
+    :func:`swiftspec.random_weights.materialize` writes (the one ``swiftspec bench
+    --random-weights`` runs), loaded as the engine loads it."""
+    from swiftspec.models.llama import load_model
+    from swiftspec.random_weights import materialize
 
-    raw = json.loads(config.read_text())
-    cfg = ModelConfig.from_dict(raw)
-    model = LlamaForCausalLM(cfg, dtype=dtype, max_positions=max_positions)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=gen) * raw.get("initializer_range", 0.02))
-    return model.to(device).eval()
+    model_dir = materialize(config, str(dtype).removeprefix("torch."), progress=False)
+    return load_model(model_dir, dtype=dtype, max_positions=max_positions, device=device).eval()
 
 
 def _timed(fn, device: torch.device, rounds: int) -> float:

@@ -201,7 +201,9 @@ def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_d
     are not a target's), SwiftSpec's compression follows the trace, the table says so."""
     from swiftspec.benchmark.e2e import main
 
-    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
+    from swiftspec import random_weights  # the random checkpoints go to this test's directory
+
+    monkeypatch.setattr(random_weights, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     trace = tmp_path / "trace.json"
     common = ["--prompts", "qa", "humaneval", "--num-prompts", "1", "--max-tokens", "12", "--dtype", "float32",
               "--device", "cpu", "--json"]

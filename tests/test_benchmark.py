@@ -307,7 +307,7 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
         tables.render({"something": "else"})
 
 
-def test_device_forward_on_cpu_with_random_weights(tmp_path):
+def test_device_forward_on_cpu_with_random_weights(tmp_path, monkeypatch):
     """bench/device_forward.py (the GPU benchmark's component table) runs on CPU too: the shipped
     configs are the default pair's shapes, a shrunk copy runs here; the record has a time and a
     fraction of the bandwidth limit per row count, and the weight bytes of that shape."""
@@ -324,6 +324,9 @@ def test_device_forward_on_cpu_with_random_weights(tmp_path):
     cfg = dict(shipped["qwen2.5-coder-0.5b-instruct.json"], hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
     (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    from swiftspec import random_weights  # the random checkpoint goes to this test's directory
+
+    monkeypatch.setattr(random_weights, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     rec = df.main(["--device", "cpu", "--dtype", "float32", "--rows", "1", "2", "--rounds", "2", "--context", "16",
                    "--models", str(tmp_path / "tiny.json"), "--logits-vocab", "128", "--out", str(tmp_path / "r.json")])
     assert json.loads((tmp_path / "r.json").read_text()) == rec and rec["device"] == "cpu"
