@@ -58,6 +58,11 @@ class Replay:
     logprobs: tuple[tuple[float, ...], ...] | None = None
     profile: tuple[float, ...] | None = None
 
+    @property
+    def shapes_tree(self) -> bool:
+        """Whether the draft grows its tree with the recorded log-probabilities (:meth:`child_logprobs`)."""
+        return self.logprobs is not None and self.profile is not None
+
     def rank(self, i: int) -> int | None:
         return self.ranks[i] if i < len(self.ranks) else None
 
@@ -73,7 +78,7 @@ class Replay:
             lies on the recorded target's path (every edge of ``path`` is the recorded rank), else
             the trace's mean per rank; -inf past what was kept. None without recorded values.
         """
-        if self.logprobs is None or self.profile is None:
+        if not self.shapes_tree:
             return None
         on_path = all(r == self.rank(root_index + 1 + j) for j, r in enumerate(path))
         i = root_index + len(path) + 1  # index of the children's tokens

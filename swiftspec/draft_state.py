@@ -86,7 +86,7 @@ class DraftState:
         exp = self.tree.plan_expansion(self.params.w)
         values, ids = self.runner.forward(exp.input_ids, exp.positions, exp.slots, exp.mask, exp.logits_rows,
                                           self.params.topk)  # reduced to the top-k where the draft runs
-        if self.replay is not None:
+        if self.replay is not None and self.replay.shapes_tree:
             values = self._replayed_values(exp, values)
         self.tree.add_children(exp, values, ids)
         self.expansions += 1
@@ -111,10 +111,10 @@ class DraftState:
     def _replayed_values(self, exp, values: torch.Tensor) -> torch.Tensor:
         """The recorded draft's log-probabilities for ``exp``'s rows in place of this draft's
         (:meth:`swiftspec.acceptance.Replay.child_logprobs`), so the tree takes the recorded
-        draft's shape; ``values`` unchanged when the replay has none."""
+        draft's shape."""
         root_index = self.tree.root_position - self.prompt_len
         rows = [self.replay.child_logprobs(root_index, self.tree.path_ranks(n), values.shape[1]) for n in exp.nodes]
-        return values if rows and rows[0] is None else torch.tensor(rows, dtype=values.dtype).view_as(values)
+        return torch.tensor(rows, dtype=values.dtype).view_as(values)
 
     def subgraph(self) -> Subgraph:
         return self.tree.subgraph(self.params.bs, candidates=self.replay is not None)

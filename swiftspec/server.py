@@ -176,12 +176,13 @@ class EngineHost:
             finally:
                 for fd in fds:
                     loop.remove_reader(fd)
-                with anyio_shield():  # the engine must be idle before the next request runs
-                    try:  # an unfinished stream (client gone) cancels the request in the workers and
-                        # waits for them (one iteration): off the event loop
-                        await loop.run_in_executor(None, gen.close)
-                    except Exception as e:  # noqa: BLE001 - the workers died meanwhile: restart below
-                        error = error or e
+                if gen.gi_frame is not None:  # unfinished (client gone): cancel, the engine idle before the next
+                    with anyio_shield():
+                        try:  # closing cancels the request in the workers and waits for them (one
+                            # iteration): off the event loop
+                            await loop.run_in_executor(None, gen.close)
+                        except Exception as e:  # noqa: BLE001 - the workers died meanwhile: restart below
+                            error = error or e
                 # a dead worker (WorkerError), or its pipe gone (OSError): restart when the slot ends
                 self._restart_pending = error is not None and not isinstance(error, (ValueError, TypeError))
             if isinstance(error, (ValueError, TypeError)):
