@@ -151,6 +151,15 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         self.tree_params()  # validates bs, w, ...
 
+    def draft_logits_vocab(self, vocab: int) -> int:
+        """The ids the draft proposes, ``[0, result)``, for a pair sharing ``vocab`` ids."""
+        return min(vocab, self.draft_vocab or vocab)
+
+    @property
+    def draft_quant_method(self) -> str | None:
+        """``draft_quant`` as :class:`swiftspec.runner.ModelRunner` takes it (None: none)."""
+        return None if self.draft_quant == "none" else self.draft_quant
+
     def tree_params(self) -> TreeParams:
         return TreeParams(self.bs, self.w, self.topk or self.w, self.max_nodes, self.max_cached)
 

@@ -243,7 +243,7 @@ class Engine:
         handed_over = [c for c in peer_ends if c is not None]  # ends that live in the workers
         dtype = self._dtype()
         self.dtype = dtype
-        draft_quant = None if self.config.draft_quant == "none" else self.config.draft_quant
+        draft_quant = self.config.draft_quant_method
         if self.device == "cuda" and draft_quant is not None:
             print(f"swiftspec: draft_quant={draft_quant} has no CUDA kernel; the draft runs in {dtype}", file=sys.stderr)
             draft_quant = None
@@ -258,7 +258,7 @@ class Engine:
                                   kind=kind, cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
                                   device=group.devices[j],
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
-                                  draft_vocab=min(self.vocab_limit, self.config.draft_vocab or self.vocab_limit),
+                                  draft_vocab=self.config.draft_logits_vocab(self.vocab_limit),
                                   draft_quant=draft_quant,
                                   kernels=self.config.kernels, cuda_graphs=self.config.cuda_graphs,
                                   weights=self.config.weights,
@@ -298,7 +298,7 @@ class Engine:
             d_cfg = ModelConfig.from_dir(self.draft_path)
             d_layers, d_head = checkpoint_layer_bytes(self.draft_path, d_cfg.num_layers)
             # the draft's LM head reads its first draft_vocab rows, as int8 from 16-bit floats
-            rows = min(d_cfg.vocab_size, self.config.draft_vocab or d_cfg.vocab_size) / d_cfg.vocab_size
+            rows = self.config.draft_logits_vocab(d_cfg.vocab_size) / d_cfg.vocab_size
             draft = sum(d_layers) + int(d_head * rows / (2 if self.config.draft_quant == "int8" else 1))
         return [(r.start, r.stop) for r in partition_layers(layers, self.config.pipeline_stages, head, draft)]
 

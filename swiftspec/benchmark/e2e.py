@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     # (dataset, prompt ids, tokens to generate, the acceptance to replay or None)
     prompts: list[tuple] = []
     if args.random_weights:
-        _, prompts = replay.trace_prompts(args)
+        prompts = replay.trace_prompts(args)
         target_dir, draft_dir = replay.random_pair(args, dtype)
         eos: list[int] = []
     else:

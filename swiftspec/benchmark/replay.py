@@ -59,8 +59,8 @@ def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
             materialize(args.draft_config or DEFAULT_CONFIGS[1], dtype))
 
 
-def trace_prompts(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list[int], int, "Replay"]]]:
-    """The trace and its prompts for this run: (dataset, prompt ids, tokens to generate, its
+def trace_prompts(args: argparse.Namespace) -> list[tuple[str, list[int], int, "Replay"]]:
+    """The trace's prompts for this run: (dataset, prompt ids, tokens to generate, its
     :class:`~swiftspec.acceptance.Replay`), the first ``--num-prompts`` of each dataset in
     ``--prompts``, at most ``--max-tokens`` tokens each."""
     from swiftspec import acceptance
@@ -77,7 +77,7 @@ def trace_prompts(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list[
         out.append((ds, p["prompt_ids"], n, acceptance.Replay.of(doc, p, n)))
     if not out:
         raise ValueError(f"the trace holds no prompt of {args.prompts}")
-    return doc, out
+    return out
 
 
 def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], list[int]]], target_dir: Path,
@@ -90,9 +90,8 @@ def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], l
 
     cfg = EngineConfig.from_json(args.config) if args.config else EngineConfig()
     vocab = min(ModelConfig.from_dir(target_dir).vocab_size, ModelConfig.from_dir(draft_dir).vocab_size)
-    draft_vocab = min(vocab, cfg.draft_vocab or vocab)
-    quant = None if cfg.draft_quant == "none" else cfg.draft_quant
-    entries = acceptance.record(prompts, draft_dir, dtype, quant, draft_vocab)
+    draft_vocab = cfg.draft_logits_vocab(vocab)
+    entries = acceptance.record(prompts, draft_dir, dtype, cfg.draft_quant_method, draft_vocab)
     acceptance.save(args.record_trace, entries, target=Path(target_dir).name, draft=Path(draft_dir).name,
                     dtype=dtype, machine=machine, draft_vocab=draft_vocab, draft_quant=cfg.draft_quant)
     s = acceptance.summary(acceptance.load(args.record_trace))
