@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from swiftspec.model_cache import atomic_write_text
 
 VERSION = 1
 RANKS_K = 32  # candidates ranked per position; wider than any tree's expansion width
@@ -147,22 +147,14 @@ def profile(entries: list[dict]) -> list[float]:
 
 
 def save(path, entries: list[dict], k: int = RANKS_K, **meta) -> None:
-    """Write a trace atomically (a temporary file renamed over ``path``); ``meta``: what it was
+    """Write a trace atomically (:func:`swiftspec.model_cache.atomic_write_text`); ``meta``: what it was
     recorded with (target, draft, dtype, machine, draft_vocab, ...), kept beside the prompts."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"version": VERSION, "k": k, **meta, "prompts": entries}
     if all("logprobs" in e for e in entries):
         doc["profile"] = profile(entries)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shared trace unreadable to others
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(doc))
 
 
 def load(path) -> dict:
