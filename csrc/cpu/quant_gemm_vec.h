@@ -64,6 +64,11 @@ struct Vec<__m256i> {
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
 #ifdef QG_DPBUSD
   static I dpbusd(I h, I u, I x) { return QG_DPBUSD(h, u, x); }
+  // h + dpbusd(u, the 4 bytes at x in every lane), the broadcast embedded in the instruction (EVEX)
+  static I dpbusd_bcast(I h, I u, const int8_t* x) {
+    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(h) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return h;
+  }
 #endif
 };
 
@@ -117,6 +122,10 @@ struct Vec<__m512i> {
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   static I dpbusd(I h, I u, I x) { return _mm512_dpbusd_epi32(h, u, x); }
+  static I dpbusd_bcast(I h, I u, const int8_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(h) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return h;
+  }
 };
 #endif
 

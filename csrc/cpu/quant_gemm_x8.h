@@ -62,6 +62,12 @@ template <class V>
 static inline V x8_acc(V h, V u, V x, bool first) {
   return Vec<V>::dpbusd(first ? Vec<V>::zero() : h, u, x);
 }
+// the same with the 4 activation bytes at x broadcast by the instruction itself (vpdpbusd's
+// embedded {1toN} operand: GCC 12 emits a separate vpbroadcastd, one more vector uop per product)
+template <class V>
+static inline V x8_accm(V h, V u, const int8_t* x, bool first) {
+  return Vec<V>::dpbusd_bcast(first ? Vec<V>::zero() : h, u, x);
+}
 template <class V>
 static inline V x8_scale(V t, int j) {  // byte j of each 32-bit lane of t, as int32
   return lane_shuffle(t, 0x80808000u | static_cast<uint32_t>(j));
@@ -81,6 +87,10 @@ template <class V>
 static inline V x8_acc(V h, V u, V x, bool first) {
   const V p = Vec<V>::maddubs(u, x);
   return first ? p : Vec<V>::add16(h, p);
+}
+template <class V>
+static inline V x8_accm(V h, V u, const int8_t* x, bool first) {
+  return x8_acc(h, u, bcast32<V>(x), first);
 }
 template <class V>
 static inline V x8_scale(V t, int j) { return bytes16(t, j, j); }
@@ -104,12 +114,22 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
   O::storef(f, O::fnmadd(O::cvt(msum), O::mul(dmin, a), y));
 }
 
-// The 16-row layout streams from DRAM at ~60 % of the 8-row one's rate at one row unless the next
-// group block is prefetched (one block ahead, into L1; two ahead, or into L2 only, was slower):
-// measured on AMD Zen 5. The 8-row kernels go without (a prefetch slowed their one-row forward on
-// an Intel Xeon, run 17).
+// The 16-row layout streams from DRAM at ~60 % of the 8-row one's rate at one row unless its
+// blocks are prefetched (into L1), and the distance that pays is in bytes, not blocks: each group
+// block prefetches the one kPrefetchBytes ahead (3 Q4_K blocks, 2 Q6_K, 18 Q5_0), through the end
+// of its group into the next group's blocks, which lie right after (x8_group's groups are
+// consecutive; past the weight's end a prefetch is a no-op). Measured on AMD Zen 5
+// (bench/RESULTS.md, "Prefetch distance"): one block ahead, stopping at the group's end, left
+// the 32-value types (352-byte blocks) at ~65 % of the read rate at one row and the K types'
+// 8-row products waiting on DRAM. The 8-row kernels go without (a prefetch slowed their one-row
+// forward on an Intel Xeon, run 17).
+constexpr int64_t kPrefetchBytes = 6144;
 static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+// group block b of a group of gb-byte blocks at grp: prefetch the block kPrefetchBytes ahead
+static inline void prefetch_ahead(const uint8_t* grp, int64_t b, int64_t gb) {
+  prefetch_block(grp + (b + (kPrefetchBytes + gb - 1) / gb) * gb, gb);
 }
 
 struct X8Rows {
@@ -145,15 +165,18 @@ static inline Q4KTables<V> q4k_tables(const uint8_t* blk) {
   return t;
 }
 
-// (not inlined: one register allocation per row count, and none shared with the caller's loops)
+// One group super-block for rows i0..i0+MR (inlined into the block loop of k_x8_rows)
 template <class V, int MR>
-__attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b, const Q4KTables<V>& t,
-                                                  const X8Rows& r, int i0) {
+static inline void q4k_x8_rows(const uint8_t* blk, int64_t b, const Q4KTables<V>& t, const X8Rows& r, int i0) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
   V acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = O::zero();
-#pragma GCC unroll 1
+  const int8_t* xb[MR];  // the rows' activations of this block (constant offsets from here on)
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = O::zero();
+    xb[i] = r.xq[i0 + i] + b * 256;
+  }
+#pragma GCC unroll 4
   for (int cc = 0; cc < 4; ++cc) {
     const V tab = cc < 2 ? t.sc03 : t.sc47;
     const int j = (2 * cc) & 3;
@@ -166,9 +189,9 @@ __attribute__((noinline)) static void q4k_x8_rows(const uint8_t* blk, int64_t b,
       QG_KEEP(lo);
       QG_KEEP(hi);
       for (int i = 0; i < MR; ++i) {
-        const int8_t* x = r.xq[i0 + i] + b * 256 + 64 * cc + 4 * s;
-        ha[i] = x8_acc(ha[i], lo, bcast32<V>(x), s == 0);
-        hb[i] = x8_acc(hb[i], hi, bcast32<V>(x + 32), s == 0);
+        const int8_t* x = xb[i] + 64 * cc + 4 * s;
+        ha[i] = x8_accm(ha[i], lo, x, s == 0);
+        hb[i] = x8_accm(hb[i], hi, x + 32, s == 0);
         QG_KEEP(ha[i]);
         QG_KEEP(hb[i]);
       }
@@ -215,14 +238,17 @@ static inline Q6KTables<V> q6k_tables(const uint8_t* blk) {
 // registers per block at 8 rows, and the kernels ran 7-19 % slower at 4-8 rows (avx512_vnni_512,
 // avx512_vnni and avx2; bench/RESULTS.md, "Q6_K without spills").
 template <class V, int MR>
-__attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t,
-                                                  const X8Rows& r, int i0) {
+__attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t, const X8Rows& r, int i0) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
   constexpr int lim = kX8Int16Sums ? 4 : 2;
   const V k30 = O::set8(0x30);
   V acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = O::zero();
+  const int8_t* xb[MR];  // the rows' activations of this block
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = O::zero();
+    xb[i] = r.xq[i0 + i] + b * 256;
+  }
   // fully unrolled: every offset a constant
 #pragma GCC unroll 4
   for (int hq = 0; hq < 4; ++hq) {
@@ -241,7 +267,7 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
         V u = O::or_(v < 2 ? lo_nibbles(ql) : hi_nibbles(ql), O::and_(hb, k30));
         QG_KEEP(u);
         for (int i = 0; i < MR; ++i) {
-          hs[i] = x8_acc(hs[i], u, bcast32<V>(r.xq[i0 + i] + b * 256 + 16 * j + 4 * e), e % lim == 0);
+          hs[i] = x8_accm(hs[i], u, xb[i] + 16 * j + 4 * e, e % lim == 0);
           QG_KEEP(hs[i]);
           if (e % lim == lim - 1) {
             acc[i] = O::add32(acc[i], x8_scaled(hs[i], sc));
@@ -257,6 +283,23 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
     for (int p = 0; p < 8; ++p)
       ms = O::add32(ms, O::madd16(sbytes16(t.sc[p / 2], 2 * (p % 2), 2 * (p % 2) + 1), bcast32<V>(xs + 2 * p)));
     x8_finish(r.f[i0 + i], acc[i], ms, t.d, t.dmin, r.xd[i0 + i][b]);
+  }
+}
+
+// Every super-block of one group (Q4_K or Q6_K) for rows i0..i0+MR, in block order: one call per
+// row tile and group, not per block (whose call and tables passed through memory showed at one row
+// in the cache-resident microbenchmark). The first tile prefetches ahead for the others (16-row
+// layout, see kPrefetchBytes).
+// (not inlined: one register allocation per row count, and none shared with the caller's loops)
+template <class V, int Base, int MR>
+__attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int i0) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * gb;
+    if (Vec<V>::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
+    if constexpr (Base == kQ4_K)
+      q4k_x8_rows<V, MR>(blk, b, q4k_tables<V>(blk), r, i0);
+    else
+      q6k_x8_rows<V, MR>(blk, b, q6k_tables<V>(blk), r, i0);
   }
 }
 
@@ -321,7 +364,7 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
   F y[MR];
   for (int i = 0; i < MR; ++i) y[i] = O::loadf(r.f[i0 + i]);
   for (int64_t b = 0; b < nb; ++b) {
-    if (O::kCols == 16 && i0 == 0 && b + 1 < nb) prefetch_block(grp + (b + 1) * gb, gb);
+    if (O::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
     Q0Group<V> g;
     q0_group<V, Base>(grp + b * gb, g);
     V acc[MR], h[MR];
@@ -332,9 +375,11 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
       // 4 s + t and v[s] (s >= 4) values 16 + 4 (s - 4) + t: the same offsets 4 s within the block
       const int off = Base == kQ8_0 ? 4 * s : (s < 4 ? 4 * s : 16 + 4 * (s - 4));
       for (int i = 0; i < MR; ++i) {
-        V x = bcast32<V>(r.xq[i0 + i] + b * 32 + off);
-        if (Base == kQ8_0) x = O::sign8(x, g.sgn[s]);
-        h[i] = x8_acc(h[i], g.v[s], x, s % lim == 0);
+        const int8_t* xp = r.xq[i0 + i] + b * 32 + off;
+        if (Base == kQ8_0)
+          h[i] = x8_acc(h[i], g.v[s], O::sign8(bcast32<V>(xp), g.sgn[s]), s % lim == 0);
+        else
+          h[i] = x8_accm(h[i], g.v[s], xp, s % lim == 0);
         if (s % lim == lim - 1) acc[i] = O::add32(acc[i], x8_widen(h[i]));
       }
     }
@@ -387,23 +432,16 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
       r.f[i] = f + C * i;
       O::storef(f + C * i, O::set1(0.f));
     }
-    switch (base) {  // 32-value types: each row tile through all blocks; K types: each block for all tiles
+    switch (base) {  // each row tile through all blocks of the group
       case kQ4_0: q0_x8_group<V, kQ4_0>(grp, nb, gb, r, mr); break;
       case kQ5_0: q0_x8_group<V, kQ5_0>(grp, nb, gb, r, mr); break;
       case kQ8_0: q0_x8_group<V, kQ8_0>(grp, nb, gb, r, mr); break;
       case kAWQ4: q0_x8_group<V, kAWQ4>(grp, nb, gb, r, mr); break;
+      case kQ4_K:
+        x8_row_tiles(mr, [&](auto n, int i0) { k_x8_rows<V, kQ4_K, decltype(n)::value>(grp, nb, gb, r, i0); });
+        break;
       default:
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = grp + b * gb;
-          if (C == 16 && b + 1 < nb) prefetch_block(blk + gb, gb);
-          if (base == kQ4_K) {
-            const Q4KTables<V> t = q4k_tables<V>(blk);
-            x8_row_tiles(mr, [&](auto n, int i0) { q4k_x8_rows<V, decltype(n)::value>(blk, b, t, r, i0); });
-          } else {
-            const Q6KTables<V> t = q6k_tables<V>(blk);
-            x8_row_tiles(mr, [&](auto n, int i0) { q6k_x8_rows<V, decltype(n)::value>(blk, b, t, r, i0); });
-          }
-        }
+        x8_row_tiles(mr, [&](auto n, int i0) { k_x8_rows<V, kQ6_K, decltype(n)::value>(grp, nb, gb, r, i0); });
     }
     for (int i = 0; i < mr; ++i) O::storef(out + (m0 + i) * ldo, O::loadf(f + C * i));
   }
