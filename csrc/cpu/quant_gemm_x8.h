@@ -176,7 +176,7 @@ static inline void q4k_x8_rows(const uint8_t* blk, int64_t b, const Q4KTables<V>
     acc[i] = O::zero();
     xb[i] = r.xq[i0 + i] + b * 256;
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 1
   for (int cc = 0; cc < 4; ++cc) {
     const V tab = cc < 2 ? t.sc03 : t.sc47;
     const int j = (2 * cc) & 3;
@@ -286,14 +286,17 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
   }
 }
 
-// Every super-block of one group (Q4_K or Q6_K) for rows i0..i0+MR, in block order: one call per
-// row tile and group, not per block (whose call and tables passed through memory showed at one row
-// in the cache-resident microbenchmark). The first tile prefetches ahead for the others (16-row
-// layout, see kPrefetchBytes).
+// Super-blocks [b0, b1) of one group (Q4_K or Q6_K) for rows i0..i0+MR, in block order: with one
+// row tile, all of the group's blocks in one call, not a call per block (whose call and tables
+// passed through memory cost 15-25 % at one row, streaming from DRAM, AVX2 and AVX-512); with
+// several tiles, one block for every tile before the next block (each tile's pass through all
+// blocks was 13 % slower at 8 rows with AVX2's 4-row tiles). The first tile prefetches ahead for
+// the others (16-row layout, see kPrefetchBytes).
 // (not inlined: one register allocation per row count, and none shared with the caller's loops)
 template <class V, int Base, int MR>
-__attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int i0) {
-  for (int64_t b = 0; b < nb; ++b) {
+__attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t b0, int64_t b1, int64_t gb,
+                                                const X8Rows& r, int i0) {
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = grp + b * gb;
     if (Vec<V>::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
     if constexpr (Base == kQ4_K)
@@ -432,16 +435,19 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
       r.f[i] = f + C * i;
       O::storef(f + C * i, O::set1(0.f));
     }
-    switch (base) {  // each row tile through all blocks of the group
+    switch (base) {  // 32-value types: each row tile through all blocks of the group
       case kQ4_0: q0_x8_group<V, kQ4_0>(grp, nb, gb, r, mr); break;
       case kQ5_0: q0_x8_group<V, kQ5_0>(grp, nb, gb, r, mr); break;
       case kQ8_0: q0_x8_group<V, kQ8_0>(grp, nb, gb, r, mr); break;
       case kAWQ4: q0_x8_group<V, kAWQ4>(grp, nb, gb, r, mr); break;
-      case kQ4_K:
-        x8_row_tiles(mr, [&](auto n, int i0) { k_x8_rows<V, kQ4_K, decltype(n)::value>(grp, nb, gb, r, i0); });
-        break;
-      default:
-        x8_row_tiles(mr, [&](auto n, int i0) { k_x8_rows<V, kQ6_K, decltype(n)::value>(grp, nb, gb, r, i0); });
+      default:  // Q4_K, Q6_K: all blocks per call with one row tile, else block by block (k_x8_rows)
+        for (int64_t b0 = 0, step = mr <= kX8Rows ? nb : 1; b0 < nb; b0 += step)
+          x8_row_tiles(mr, [&](auto n, int i0) {
+            if (base == kQ4_K)
+              k_x8_rows<V, kQ4_K, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0);
+            else
+              k_x8_rows<V, kQ6_K, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0);
+          });
     }
     for (int i = 0; i < mr; ++i) O::storef(out + (m0 + i) * ldo, O::loadf(f + C * i));
   }
