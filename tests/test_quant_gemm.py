@@ -62,11 +62,20 @@ def test_dequantize_matches_gguf_library(t):
 
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=_name)
 def test_activations_bit_identical_to_torch(t):
+    """Every ISA's quantizer (each impl brings its own: scalar, AVX2, AVX-512) forms the reference's
+    int8 values, scales and sums, ties to even included."""
     m = _module()
-    x = torch.randn(3, _k(t)) * 3
+    k = _k(t) * 3
+    x = torch.randn(5, k) * 3
     x[1, :32] = 0  # an all-zero block
-    for a, b in zip(m.quant_activations(x, int(t)), quant.quantize_activations(x, int(t))):
-        assert torch.equal(a, b)
+    x[2, 5] = -7.5  # a negative maximum
+    x[3] = torch.randint(-254, 255, (k,)).float() / 2  # halves: x * (1 / d) lands on .5 ties
+    x[3, ::32] = 127.0  # d = 1 in every block
+    x[4] *= 1e-30  # tiny scales
+    want = quant.quantize_activations(x, int(t))
+    for impl in m.quant_impls():
+        for a, b in zip(m.quant_activations(x, int(t), impl), want):
+            assert torch.equal(a, b), impl
 
 
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=_name)

@@ -228,5 +228,13 @@ void gemm_avx2(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo
 void gemm_avx512vnni(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo);
 void gemm_avx512vnni_512(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t ldo);  // 512-bit x8
 
+// M rows of x [M, K] fp32 -> int8 blocks of qk (32 or 256) values: q [M, K], the block scales d
+// [M, K/qk] (max|x| / 127), the sums of every 16 values s16 [M, K/16] (qk = 256 only; else
+// unused) and of every 32, s32 [M, K/32]. Round half to even. One per ISA, the same bits
+// (quant_gemm_scalar.cpp, quant_act_simd.h); the caller picks with the GEMM kernel.
+void quantize_scalar(const float* x, int64_t M, int64_t K, int qk, int8_t* q, float* d, int16_t* s16, int16_t* s32);
+void quantize_avx2(const float* x, int64_t M, int64_t K, int qk, int8_t* q, float* d, int16_t* s16, int16_t* s32);
+void quantize_avx512(const float* x, int64_t M, int64_t K, int qk, int8_t* q, float* d, int16_t* s16, int16_t* s32);
+
 }  // namespace quant
 }  // namespace swiftspec

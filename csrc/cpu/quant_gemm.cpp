@@ -116,59 +116,40 @@ GemmFn kernel(const std::string& name) {
   return gemm_scalar;
 }
 
+using QuantFn = void (*)(const float*, int64_t, int64_t, int, int8_t*, float*, int16_t*, int16_t*);
+
+// The activation quantizer that goes with kernel(name): the same ISA (the same bits every way).
+QuantFn quantizer(const std::string& name) {
+  const GemmFn k = kernel(name);
+  if (k == gemm_avx512vnni || k == gemm_avx512vnni_512) return quantize_avx512;
+  return k == gemm_avx2 ? quantize_avx2 : quantize_scalar;
+}
+
 // Activations of one format: int8 values, a scale per qk values, sums per 32 and (qk = 256) per 16.
 struct QuantX {
   at::Tensor xq, xd, xs, xs32;
 };
 
-// Row-wise: d = max|x| / 127 over each block of qk values, q = round-half-even(x * (1 / d)), 0 for
-// an all-zero block. Bit-identical to swiftspec.ops.quant.quantize_activations.
-QuantX quantize(const at::Tensor& x, int qk) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / qk;
+// x's rows quantized by `fn` (one of quantize_scalar / _avx2 / _avx512, quant_blocks.h).
+QuantX quantize(const at::Tensor& x, int qk, QuantFn fn) {
+  const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   QuantX o;
   o.xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  o.xd = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  o.xd = at::empty({M, K / qk}, x.options().dtype(at::kFloat));
   o.xs = at::empty({M, qk == 256 ? K / 16 : 0}, x.options().dtype(at::kShort));
   o.xs32 = at::empty({M, K / 32}, x.options().dtype(at::kShort));
-  const float* src = xf.data_ptr<float>();
-  int8_t* q = o.xq.data_ptr<int8_t>();
-  float* d = o.xd.data_ptr<float>();
-  int16_t* s = o.xs.data_ptr<int16_t>();
-  int16_t* s32 = o.xs32.data_ptr<int16_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* v = src + m * K + b * qk;
-      float amax = 0.f;
-      for (int i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float db = amax / 127.f;
-      const float id = db != 0.f ? 1.f / db : 0.f;
-      d[m * nb + b] = db;
-      int8_t* qb = q + m * K + b * qk;
-      for (int i = 0; i < qk; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
-      for (int j = 0; j < qk / 32; ++j) {
-        int sum32 = 0;
-        for (int i = 0; i < 32; ++i) sum32 += qb[32 * j + i];
-        s32[m * (K / 32) + b * (qk / 32) + j] = static_cast<int16_t>(sum32);
-      }
-      if (qk == 256) {
-        for (int j = 0; j < 16; ++j) {
-          int sum = 0;
-          for (int i = 0; i < 16; ++i) sum += qb[16 * j + i];
-          s[m * (K / 16) + b * 16 + j] = static_cast<int16_t>(sum);
-        }
-      }
-    }
-  }
+  fn(xf.data_ptr<float>(), M, K, qk, o.xq.data_ptr<int8_t>(), o.xd.data_ptr<float>(), o.xs.data_ptr<int16_t>(),
+     o.xs32.data_ptr<int16_t>());
   return o;
 }
 
-std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t type) {
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t type, const std::string& impl) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quantize_activations: x must be a [M, K] CPU tensor");
   TORCH_CHECK(block_bytes(static_cast<int>(type)) > 0, "quantize_activations: no kernel for ggml type ", type);
   const int qk = block_values(static_cast<int>(type));
   TORCH_CHECK(x.size(1) % qk == 0, "quantize_activations: K = ", x.size(1), " is not a multiple of ", qk);
-  QuantX o = quantize(x, qk);
+  QuantX o = quantize(x, qk, quantizer(impl));
   return {o.xq, o.xd, o.xs};
 }
 
@@ -180,6 +161,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "quant_linear: one type per weight part");
   const GemmFn fn = kernel(impl);
+  const QuantFn qfn = quantizer(impl);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Problem> parts(weights.size());
   std::vector<int64_t> col0(weights.size() + 1, 0);
@@ -203,7 +185,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
                 " is in the 16-row interleaved layout, which only the avx512_vnni_512 and scalar kernels read");
     const int f = is_k_type(t) ? 1 : 0;
     if (!have[f]) {
-      qx[f] = quantize(x, qk);
+      qx[f] = quantize(x, qk, qfn);
       have[f] = true;
     }
     Problem& p = parts[i];
@@ -286,7 +268,9 @@ void register_quant_gemm(pybind11::module_& m) {
         "y [M, sum N_i] fp32 = x [M, K] (fp32/bf16) @ dequant(W).T for GGUF block weights given as parts "
         "W_i [N_i, row_bytes] uint8 of ggml types types[i]; impl: auto, scalar, avx2, avx512_vnni, avx512_vnni_512");
   m.def("quant_activations", &quant::quantize_activations, pybind11::arg("x"), pybind11::arg("type"),
-        "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them");
+        pybind11::arg("impl") = "auto",
+        "(int8 [M, K], fp32 scales [M, K/QK], int16 sums of 16 [M, K/16] or [M, 0]) as quant_linear forms them "
+        "with the kernel `impl` (the quantizer of its ISA)");
   m.def("quant_interleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, true); },
         pybind11::arg("w"), pybind11::arg("x8_type"),
         "[N, row_bytes] uint8 plain blocks -> the same bytes in the 8- or 16-row interleaved layout of x8_type "

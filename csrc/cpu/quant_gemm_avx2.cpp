@@ -41,4 +41,5 @@ static inline __m256i dot_0(__m256i aq, __m256i sx) {
 }  // namespace swiftspec
 
 #define QG_ENTRY gemm_avx2
+#define QG_QUANTIZE quantize_avx2
 #include "quant_gemm_simd.h"

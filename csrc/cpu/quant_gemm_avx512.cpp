@@ -50,4 +50,5 @@ static inline __m256i dot_0(__m256i aq, __m256i sx) {
 #define QG_ENTRY gemm_avx512vnni
 #define QG_ZMM
 #define QG_ENTRY_ZMM gemm_avx512vnni_512
+#define QG_QUANTIZE quantize_avx512
 #include "quant_gemm_simd.h"

@@ -2,6 +2,9 @@
 // kernels must match bit for bit, and the path for CPUs without AVX2. It forms the same exact
 // integers per block and applies the same float operations in the same order. The 8-row
 // interleaved layout is read by gathering a row's plain block back (x8_source).
+#include <algorithm>
+#include <cmath>
+
 #include "quant_blocks.h"
 
 namespace swiftspec {
@@ -151,6 +154,36 @@ void gemm_scalar(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t l
         }
       }
       for (int64_t i = 0; i < mr; ++i) out[(m0 + i) * ldo + (n - n0)] = y[i];
+    }
+  }
+}
+
+// Row-wise: d = max|x| / 127 over each block of qk values, q = round-half-even(x * (1 / d)), 0 for
+// an all-zero block. Bit-identical to swiftspec.ops.quant.quantize_activations.
+void quantize_scalar(const float* x, int64_t M, int64_t K, int qk, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
+  const int64_t nb = K / qk;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * K + b * qk;
+      float amax = 0.f;
+      for (int i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float db = amax / 127.f;
+      const float id = db != 0.f ? 1.f / db : 0.f;
+      d[m * nb + b] = db;
+      int8_t* qb = q + m * K + b * qk;
+      for (int i = 0; i < qk; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+      for (int j = 0; j < qk / 32; ++j) {
+        int sum32 = 0;
+        for (int i = 0; i < 32; ++i) sum32 += qb[32 * j + i];
+        s32[m * (K / 32) + b * (qk / 32) + j] = static_cast<int16_t>(sum32);
+      }
+      if (qk == 256) {
+        for (int j = 0; j < 16; ++j) {
+          int sum = 0;
+          for (int i = 0; i < 16; ++i) sum += qb[16 * j + i];
+          s16[m * (K / 16) + b * 16 + j] = static_cast<int16_t>(sum);
+        }
+      }
     }
   }
 }

@@ -8,7 +8,8 @@
 //   dot_k(q, x, s)     int32 lanes: s * (sum of 4 consecutive u8 q * s8 x products)
 //   dot_0(aq, sx)      int32 lanes: sum of 4 consecutive u8 aq * s8 sx products
 //
-// and QG_ENTRY, the name of the entry point (the AVX-512 file also defines QG_ZMM and QG_ENTRY_ZMM:
+// and QG_ENTRY, the name of the entry point (and QG_QUANTIZE, the activation quantizer's:
+// quant_act_simd.h) (the AVX-512 file also defines QG_ZMM and QG_ENTRY_ZMM:
 // a second entry point that also reads the 16-row interleaved layout, on 512-bit registers).
 // Both primitives give the same exact integers
 // (maddubs never saturates here: |q| <= 63 for the K types and |x| <= 127), so both kernels
@@ -248,3 +249,5 @@ void QG_ENTRY_ZMM(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t 
 
 }  // namespace quant
 }  // namespace swiftspec
+
+#include "quant_act_simd.h"
