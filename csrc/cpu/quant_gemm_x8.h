@@ -118,11 +118,12 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
 // blocks are prefetched (into L1), and the distance that pays is in bytes, not blocks: each group
 // block prefetches the one kPrefetchBytes ahead (3 Q4_K blocks, 2 Q6_K, 18 Q5_0), through the end
 // of its group into the next group's blocks, which lie right after (x8_group's groups are
-// consecutive; past the weight's end a prefetch is a no-op). Measured on AMD Zen 5
-// (bench/RESULTS.md, "Prefetch distance"): one block ahead, stopping at the group's end, left
-// the 32-value types (352-byte blocks) at ~65 % of the read rate at one row and the K types'
-// 8-row products waiting on DRAM. The 8-row kernels go without (a prefetch slowed their one-row
-// forward on an Intel Xeon, run 17).
+// consecutive; past the weight's end a prefetch is a no-op). Measured on AMD Zen 5, a one-thread
+// probe of the kernel and the forward (bench/RESULTS.md, "AMD Zen 5: prefetch distance"): one
+// block ahead, stopping at the group's end, left the 32-value types (352-byte blocks) streaming far
+// below the read rate and the K types' 4-8 row products waiting on DRAM; 4 KiB and 12 KiB, or into
+// L2, or spread through the block's products, were no better. The 8-row kernels go without (a
+// prefetch slowed their one-row forward on an Intel Xeon, run 17).
 constexpr int64_t kPrefetchBytes = 6144;
 static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
@@ -288,10 +289,10 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
 
 // Super-blocks [b0, b1) of one group (Q4_K or Q6_K) for rows i0..i0+MR, in block order: with one
 // row tile, all of the group's blocks in one call, not a call per block (whose call and tables
-// passed through memory cost 15-25 % at one row, streaming from DRAM, AVX2 and AVX-512); with
-// several tiles, one block for every tile before the next block (each tile's pass through all
-// blocks was 13 % slower at 8 rows with AVX2's 4-row tiles). The first tile prefetches ahead for
-// the others (16-row layout, see kPrefetchBytes).
+// passed through memory showed at one row, AVX2 and AVX-512); with several tiles, one block for
+// every tile before the next block (each tile's own pass through all blocks was slower at 8 rows
+// with AVX2's 4-row tiles; one-thread probe on AMD Zen 5). The first tile prefetches ahead for the
+// others (16-row layout, see kPrefetchBytes).
 // (not inlined: one register allocation per row count, and none shared with the caller's loops)
 template <class V, int Base, int MR>
 __attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t b0, int64_t b1, int64_t gb,
