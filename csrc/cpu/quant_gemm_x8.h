@@ -239,7 +239,8 @@ static inline Q6KTables<V> q6k_tables(const uint8_t* blk) {
 // registers per block at 8 rows, and the kernels ran 7-19 % slower at 4-8 rows (avx512_vnni_512,
 // avx512_vnni and avx2; bench/RESULTS.md, "Q6_K without spills").
 template <class V, int MR>
-__attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t, const X8Rows& r, int i0) {
+__attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t,
+                                                  const X8Rows& r, int i0) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
   constexpr int lim = kX8Int16Sums ? 4 : 2;
@@ -289,9 +290,10 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
 
 // Super-blocks [b0, b1) of one group (Q4_K or Q6_K) for rows i0..i0+MR, in block order: with one
 // row tile, all of the group's blocks in one call, not a call per block (whose call and tables
-// passed through memory showed at one row, AVX2 and AVX-512); with several tiles, one block for
-// every tile before the next block (each tile's own pass through all blocks was slower at 8 rows
-// with AVX2's 4-row tiles; one-thread probe on AMD Zen 5). The first tile prefetches ahead for the
+// passed through memory showed at one row, AVX2 and AVX-512; Q6_K's block stays a call of its
+// own, which its 8-row tile needs to keep its registers); with several tiles, one block for every
+// tile before the next block (each tile's own pass through all blocks was slower at 8 rows with
+// AVX2's 4-row tiles; one-thread probe on AMD Zen 5). The first tile prefetches ahead for the
 // others (16-row layout, see kPrefetchBytes).
 // (not inlined: one register allocation per row count, and none shared with the caller's loops)
 template <class V, int Base, int MR>
@@ -407,6 +409,9 @@ static inline void x8_row_tiles(int mr, Fn&& fn) {
   for (; i0 < mr; ++i0) fn(std::integral_constant<int, 1>(), i0);
 }
 
+// whether x8_row_tiles covers mr rows with one tile
+static inline bool one_tile(int mr) { return mr <= kX8Rows && (mr & (mr - 1)) == 0; }
+
 template <class V, int Base>
 static void q0_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {
   x8_row_tiles(mr, [&](auto n, int i0) { q0_x8_rows<V, Base, decltype(n)::value>(grp, nb, gb, r, i0); });
@@ -442,7 +447,7 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
       case kQ8_0: q0_x8_group<V, kQ8_0>(grp, nb, gb, r, mr); break;
       case kAWQ4: q0_x8_group<V, kAWQ4>(grp, nb, gb, r, mr); break;
       default:  // Q4_K, Q6_K: all blocks per call with one row tile, else block by block (k_x8_rows)
-        for (int64_t b0 = 0, step = mr <= kX8Rows ? nb : 1; b0 < nb; b0 += step)
+        for (int64_t b0 = 0, step = one_tile(mr) ? nb : 1; b0 < nb; b0 += step)
           x8_row_tiles(mr, [&](auto n, int i0) {
             if (base == kQ4_K)
               k_x8_rows<V, kQ4_K, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0);
