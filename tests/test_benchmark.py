@@ -262,7 +262,7 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
 
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's run-13, run-15 and run-16 numbers are those of their records."""
+    the README's numbers of runs 13, 15, 16, 20 and 24 are those of their records."""
     import importlib.util
     from pathlib import Path
 
@@ -289,13 +289,13 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
         tps, ratio = rows16[system]
         assert f"| {tps.strip()} | {ratio.strip()} |" in readme, system
-    rows19 = {}
-    for line in out["run19-zen5-avx512-x16-6x5-shallow.json"].splitlines():
+    rows24 = {}
+    for line in out["run24-zen5-avx512-final-6x5-shallow.json"].splitlines():
         if line.startswith("| "):
-            rows19.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
+            rows24.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
     for system, label in (("swiftspec-profiled", "SwiftSpec `serial`, bs 2, d 1"), ("autoregressive", "our `autoregressive`"),
                           ("llama-cpp", "llama.cpp on the same GGUF")):
-        assert any(line.startswith(f"| {label}") and f"| {rows19[system]} |" in line for line in readme.splitlines()), system
+        assert any(line.startswith(f"| {label}") and f"| {rows24[system]} |" in line for line in readme.splitlines()), system
     rows20 = {}
     for line in out["run20-zen5-pipeline-2stages.json"].splitlines():
         if line.startswith("| "):
