@@ -20,7 +20,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -118,9 +117,8 @@ GemmFn kernel(const std::string& name) {
 
 using QuantFn = void (*)(const float*, int64_t, int64_t, int, int8_t*, float*, int16_t*, int16_t*);
 
-// The activation quantizer that goes with kernel(name): the same ISA (the same bits every way).
-QuantFn quantizer(const std::string& name) {
-  const GemmFn k = kernel(name);
+// The activation quantizer that goes with GEMM kernel k: the same ISA (the same bits every way).
+QuantFn quantizer(GemmFn k) {
   if (k == gemm_avx512vnni || k == gemm_avx512vnni_512) return quantize_avx512;
   return k == gemm_avx2 ? quantize_avx2 : quantize_scalar;
 }
@@ -149,7 +147,7 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t type, 
   TORCH_CHECK(block_bytes(static_cast<int>(type)) > 0, "quantize_activations: no kernel for ggml type ", type);
   const int qk = block_values(static_cast<int>(type));
   TORCH_CHECK(x.size(1) % qk == 0, "quantize_activations: K = ", x.size(1), " is not a multiple of ", qk);
-  QuantX o = quantize(x, qk, quantizer(impl));
+  QuantX o = quantize(x, qk, quantizer(kernel(impl)));
   return {o.xq, o.xd, o.xs};
 }
 
@@ -161,7 +159,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "quant_linear: one type per weight part");
   const GemmFn fn = kernel(impl);
-  const QuantFn qfn = quantizer(impl);
+  const QuantFn qfn = quantizer(fn);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Problem> parts(weights.size());
   std::vector<int64_t> col0(weights.size() + 1, 0);

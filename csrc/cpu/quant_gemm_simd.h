@@ -8,9 +8,9 @@
 //   dot_k(q, x, s)     int32 lanes: s * (sum of 4 consecutive u8 q * s8 x products)
 //   dot_0(aq, sx)      int32 lanes: sum of 4 consecutive u8 aq * s8 sx products
 //
-// and QG_ENTRY, the name of the entry point (and QG_QUANTIZE, the activation quantizer's:
-// quant_act_simd.h) (the AVX-512 file also defines QG_ZMM and QG_ENTRY_ZMM:
-// a second entry point that also reads the 16-row interleaved layout, on 512-bit registers).
+// and QG_ENTRY, the name of the entry point, and QG_QUANTIZE, that of the activation quantizer
+// (quant_act_simd.h). The AVX-512 file also defines QG_ZMM and QG_ENTRY_ZMM: a second entry point
+// that also reads the 16-row interleaved layout, on 512-bit registers.
 // Both primitives give the same exact integers
 // (maddubs never saturates here: |q| <= 63 for the K types and |x| <= 127), so both kernels
 // equal the scalar one bit for bit (quant_blocks.h says which operations, in which order).

@@ -409,12 +409,18 @@ static inline void x8_row_tiles(int mr, Fn&& fn) {
   for (; i0 < mr; ++i0) fn(std::integral_constant<int, 1>(), i0);
 }
 
-// whether x8_row_tiles covers mr rows with one tile
-static inline bool one_tile(int mr) { return mr <= kX8Rows && (mr & (mr - 1)) == 0; }
-
 template <class V, int Base>
 static void q0_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {
   x8_row_tiles(mr, [&](auto n, int i0) { q0_x8_rows<V, Base, decltype(n)::value>(grp, nb, gb, r, i0); });
+}
+
+// Q4_K / Q6_K: all blocks per call where x8_row_tiles makes one tile of the rows (a power of two
+// up to kX8Rows), else block by block over the tiles (k_x8_rows)
+template <class V, int Base>
+static void k_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {
+  const int64_t step = mr <= kX8Rows && (mr & (mr - 1)) == 0 ? nb : 1;
+  for (int64_t b0 = 0; b0 < nb; b0 += step)
+    x8_row_tiles(mr, [&](auto n, int i0) { k_x8_rows<V, Base, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0); });
 }
 
 // One interleaved group, columns [n, n + C) (C = Vec<V>::kCols: 8 in the 8-row layout, 16 in the
@@ -441,19 +447,13 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
       r.f[i] = f + C * i;
       O::storef(f + C * i, O::set1(0.f));
     }
-    switch (base) {  // 32-value types: each row tile through all blocks of the group
+    switch (base) {  // the order in which the row tiles take the blocks: q0_x8_group, k_x8_group
       case kQ4_0: q0_x8_group<V, kQ4_0>(grp, nb, gb, r, mr); break;
       case kQ5_0: q0_x8_group<V, kQ5_0>(grp, nb, gb, r, mr); break;
       case kQ8_0: q0_x8_group<V, kQ8_0>(grp, nb, gb, r, mr); break;
       case kAWQ4: q0_x8_group<V, kAWQ4>(grp, nb, gb, r, mr); break;
-      default:  // Q4_K, Q6_K: all blocks per call with one row tile, else block by block (k_x8_rows)
-        for (int64_t b0 = 0, step = one_tile(mr) ? nb : 1; b0 < nb; b0 += step)
-          x8_row_tiles(mr, [&](auto n, int i0) {
-            if (base == kQ4_K)
-              k_x8_rows<V, kQ4_K, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0);
-            else
-              k_x8_rows<V, kQ6_K, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0);
-          });
+      case kQ4_K: k_x8_group<V, kQ4_K>(grp, nb, gb, r, mr); break;
+      default: k_x8_group<V, kQ6_K>(grp, nb, gb, r, mr);
     }
     for (int i = 0; i < mr; ++i) O::storef(out + (m0 + i) * ldo, O::loadf(f + C * i));
   }
