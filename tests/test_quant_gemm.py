@@ -173,6 +173,28 @@ def test_dispatch_never_picks_a_scalar_loop_where_simd_exists():
         assert (d[family] == "torch") == (compiled == ["scalar"])
 
 
+def test_avx2_kernel_is_avx2_code_on_every_build_machine():
+    """The AVX2 kernel is built with -march=native: on an AVX-512 machine GCC would encode it with
+    EVEX (32 registers, vpternlog, mask registers), and that machine would test and time other code
+    than an AVX2-only CPU runs. Its object file must use only VEX-encoded xmm/ymm 0-15."""
+    import re
+    import shutil
+    import subprocess
+
+    from swiftspec.ops import cpu
+
+    _module()
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump")
+    obj = cpu.build_dir("swiftspec_cpu") / "quant_gemm_avx2.o"
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], check=True,
+                         capture_output=True, text=True).stdout
+    assert "vpmaddubsw" in asm and "ymm" in asm  # the kernel is there
+    avx512 = re.compile(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b|\{evex\}|vpternlog|vmovdq[au](32|64)")
+    bad = sorted({m.group(0) for m in avx512.finditer(asm)})
+    assert not bad, f"AVX-512 instructions or registers in the AVX2 kernel: {bad}"
+
+
 def test_set_quant_gemm_switches_the_dispatched_kernel():
     m = _module()
     default = ops.cpu_dispatch()["quant_gemm"]

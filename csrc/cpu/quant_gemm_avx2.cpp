@@ -1,7 +1,9 @@
 // AVX2 kernel of the quantized skinny GEMM: vpmaddubsw / vpmaddwd (quant_gemm_simd.h). Compiled
 // for AVX2 + FMA + F16C whatever the build machine; run only where the CPU has them
-// (quant_gemm.cpp checks at run time).
-#pragma GCC target("avx2,fma,f16c")
+// (quant_gemm.cpp checks at run time). AVX-512 is switched off even where the build machine has it
+// (-march=native): otherwise GCC encodes this kernel with EVEX, 32 vector registers and vpternlog,
+// and an AVX-512 machine would test and time different code from what an AVX2-only CPU runs.
+#pragma GCC target("avx2,fma,f16c,no-avx512f")
 #include <immintrin.h>
 
 #include <cstdint>
