@@ -314,47 +314,47 @@ __attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t b0, 
 // far as that cannot overflow (with VNNI: vpdpbusd, all 8 in int32) (Q4_0 / AWQ4: 8 products of |q| <= 15, |sum| <= 8 * 2 * 15 * 127
 // < 2^15; Q5_0: 4 of |q| <= 31; Q8_0: 1, its signs moved onto x), then vpmaddwd to int32, minus
 // z * (sum of the row's 32 values): exactly sum (q - z) * x per column.
-template <class V>
-struct Q0Group {
-  V v[8];    // unsigned quant bytes: values 4s..4s+3 of row c in lane c of v[s] (Q8_0: |q|)
-  V sgn[8];  // Q8_0: the signs of q
-  V z;       // zero point per column (int32)
+// Register u of the block's quants (u < 4) holds values 4 u + t in its low nibbles and 16 + 4 u + t
+// in its high ones (Q8_0: registers u and u + 4, whole bytes); both are decoded where they are
+// used, not the whole block up front, which needed 8 registers (Q8_0: 16) beside the rows' sums
+// and spilled with AVX2's 16 registers.
+template <class V, int Base>
+struct Q0Header {
   typename Vec<V>::F d;  // block scale per column
+  V z;                   // zero point per column (int32; Q8_0: none)
+  V qh;                  // Q5_0: the columns' fifth bits
 };
 
 template <class V, int Base>
-static inline void q0_group(const uint8_t* blk, Q0Group<V>& g) {
+static inline Q0Header<V, Base> q0_header(const uint8_t* blk) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
+  Q0Header<V, Base> g;
   g.d = O::load_ph(blk);
+  g.z = Base == kAWQ4 ? O::load_u8(blk + S * 16) : O::set32(Base == kQ5_0 ? 16 : (Base == kQ8_0 ? 0 : 8));
+  g.qh = Base == kQ5_0 ? O::load(blk + S * 16) : O::zero();
+  return g;
+}
+
+// the quant registers of values 4 u + t (lo) and 16 + 4 u + t (hi): unsigned values, or for Q8_0
+// the signed bytes (their magnitudes and signs are taken by the caller)
+template <class V, int Base>
+static inline void q0_regs(const uint8_t* blk, const Q0Header<V, Base>& g, int u, V& lo, V& hi) {
+  using O = Vec<V>;
+  constexpr int S = O::kScale;
   if (Base == kQ8_0) {
-    g.z = O::zero();
-    for (int s = 0; s < 8; ++s) {
-      const V q = O::load(blk + S * (16 + 32 * s));
-      g.sgn[s] = q;
-      g.v[s] = O::sign8(q, q);
-    }
+    lo = O::load(blk + S * (16 + 32 * u));
+    hi = O::load(blk + S * (16 + 32 * (u + 4)));
     return;
   }
-  const bool awq = Base == kAWQ4, q5 = Base == kQ5_0;
-  g.z = awq ? O::load_u8(blk + S * 16) : O::set32(q5 ? 16 : 8);
-  const uint8_t* qs = blk + S * (awq ? 32 : (q5 ? 48 : 16));
-  const V qh = q5 ? O::load(blk + S * 16) : O::zero();
-  // byte t of every 32-bit lane: bit t of that lane's low byte (after the shift) -> 0x10
-  const V spread = O::bcast128(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-  const V bit = O::set32(0x08040201);
-  for (int s = 0; s < 4; ++s) {
-    const V raw = O::load(qs + S * 32 * s);
-    V lo = lo_nibbles(raw), hi = hi_nibbles(raw);
-    if (q5) {  // bit 4 s + t (low nibbles) and 16 + 4 s + t (high nibbles) of the row's qh
-      const V bl = O::shuffle8(O::srli32(qh, 4 * s), spread);
-      const V bh = O::shuffle8(O::srli32(qh, 16 + 4 * s), spread);
-      const V k10 = O::set8(0x10);
-      lo = O::or_(lo, O::select_eq8(O::and_(bl, bit), bit, k10));
-      hi = O::or_(hi, O::select_eq8(O::and_(bh, bit), bit, k10));
-    }
-    g.v[s] = lo;      // values 4 s + t
-    g.v[4 + s] = hi;  // values 16 + 4 s + t
+  const V raw = O::load(blk + S * ((Base == kAWQ4 ? 32 : (Base == kQ5_0 ? 48 : 16)) + 32 * u));
+  lo = lo_nibbles(raw);
+  hi = hi_nibbles(raw);
+  if (Base == kQ5_0) {  // bit 4 u + t (low nibbles) and 16 + 4 u + t (high nibbles) of the row's qh -> 0x10
+    const V spread = O::bcast128(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    const V bit = O::set32(0x08040201), k10 = O::set8(0x10);
+    lo = O::or_(lo, O::select_eq8(O::and_(O::shuffle8(O::srli32(g.qh, 4 * u), spread), bit), bit, k10));
+    hi = O::or_(hi, O::select_eq8(O::and_(O::shuffle8(O::srli32(g.qh, 16 + 4 * u), spread), bit), bit, k10));
   }
 }
 
@@ -371,22 +371,31 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
   for (int i = 0; i < MR; ++i) y[i] = O::loadf(r.f[i0 + i]);
   for (int64_t b = 0; b < nb; ++b) {
     if (O::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
-    Q0Group<V> g;
-    q0_group<V, Base>(grp + b * gb, g);
+    const uint8_t* blk = grp + b * gb;
+    const Q0Header<V, Base> g = q0_header<V, Base>(blk);
+    const int8_t* xb[MR];
     V acc[MR], h[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = O::zero();
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s) {
-      // register s holds values 4 s .. 4 s + 3 (Q8_0) or, for the 4-bit types, v[s] (s < 4) values
-      // 4 s + t and v[s] (s >= 4) values 16 + 4 (s - 4) + t: the same offsets 4 s within the block
-      const int off = Base == kQ8_0 ? 4 * s : (s < 4 ? 4 * s : 16 + 4 * (s - 4));
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* xp = r.xq[i0 + i] + b * 32 + off;
-        if (Base == kQ8_0)
-          h[i] = x8_acc(h[i], g.v[s], O::sign8(bcast32<V>(xp), g.sgn[s]), s % lim == 0);
-        else
-          h[i] = x8_accm(h[i], g.v[s], xp, s % lim == 0);
-        if (s % lim == lim - 1) acc[i] = O::add32(acc[i], x8_widen(h[i]));
+    for (int i = 0; i < MR; ++i) xb[i] = r.xq[i0 + i] + b * 32;
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      V lo, hi;
+      q0_regs<V, Base>(blk, g, u, lo, hi);
+      QG_KEEP(lo);
+      QG_KEEP(hi);
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const V w = half ? hi : lo;
+        const int k = 2 * u + half;  // the block's k-th product register, values 4 u + 16 half + t
+        const V mag = Base == kQ8_0 ? O::sign8(w, w) : w;
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* xp = xb[i] + 4 * u + 16 * half;
+          if (Base == kQ8_0)
+            h[i] = x8_acc(h[i], mag, O::sign8(bcast32<V>(xp), w), k % lim == 0);
+          else
+            h[i] = x8_accm(h[i], mag, xp, k % lim == 0);
+          QG_KEEP(h[i]);
+          if (k % lim == lim - 1) acc[i] = k == lim - 1 ? x8_widen(h[i]) : O::add32(acc[i], x8_widen(h[i]));
+        }
       }
     }
     for (int i = 0; i < MR; ++i) {
