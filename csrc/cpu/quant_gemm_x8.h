@@ -318,20 +318,20 @@ __attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t b0, 
 // in its high ones (Q8_0: registers u and u + 4, whole bytes); both are decoded where they are
 // used, not the whole block up front, which needed 8 registers (Q8_0: 16) beside the rows' sums
 // and spilled with AVX2's 16 registers.
-template <class V, int Base>
+template <class V>
 struct Q0Header {
   typename Vec<V>::F d;  // block scale per column
-  V z;                   // zero point per column (int32; Q8_0: none)
+  V z;                   // zero point per column (int32; Q8_0 has none)
   V qh;                  // Q5_0: the columns' fifth bits
 };
 
 template <class V, int Base>
-static inline Q0Header<V, Base> q0_header(const uint8_t* blk) {
+static inline Q0Header<V> q0_header(const uint8_t* blk) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
-  Q0Header<V, Base> g;
+  Q0Header<V> g;
   g.d = O::load_ph(blk);
-  g.z = Base == kAWQ4 ? O::load_u8(blk + S * 16) : O::set32(Base == kQ5_0 ? 16 : (Base == kQ8_0 ? 0 : 8));
+  g.z = Base == kAWQ4 ? O::load_u8(blk + S * 16) : O::set32(Base == kQ5_0 ? 16 : 8);  // (unused for Q8_0)
   g.qh = Base == kQ5_0 ? O::load(blk + S * 16) : O::zero();
   return g;
 }
@@ -339,7 +339,7 @@ static inline Q0Header<V, Base> q0_header(const uint8_t* blk) {
 // the quant registers of values 4 u + t (lo) and 16 + 4 u + t (hi): unsigned values, or for Q8_0
 // the signed bytes (their magnitudes and signs are taken by the caller)
 template <class V, int Base>
-static inline void q0_regs(const uint8_t* blk, const Q0Header<V, Base>& g, int u, V& lo, V& hi) {
+static inline void q0_regs(const uint8_t* blk, const Q0Header<V>& g, int u, V& lo, V& hi) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
   if (Base == kQ8_0) {
@@ -372,7 +372,7 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
   for (int64_t b = 0; b < nb; ++b) {
     if (O::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
     const uint8_t* blk = grp + b * gb;
-    const Q0Header<V, Base> g = q0_header<V, Base>(blk);
+    const Q0Header<V> g = q0_header<V, Base>(blk);
     const int8_t* xb[MR];
     V acc[MR], h[MR];
     for (int i = 0; i < MR; ++i) xb[i] = r.xq[i0 + i] + b * 32;
@@ -399,9 +399,10 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
       }
     }
     for (int i = 0; i < MR; ++i) {
-      const V zx = O::mullo32(g.z, O::set32(r.xs32[i0 + i][b]));
+      // minus z * (sum of the row's 32 values); Q8_0 has no zero point
+      const V isum = Base == kQ8_0 ? acc[i] : O::sub32(acc[i], O::mullo32(g.z, O::set32(r.xs32[i0 + i][b])));
       const F a = O::set1(r.xd[i0 + i][b]);
-      y[i] = O::fmadd(O::cvt(O::sub32(acc[i], zx)), O::mul(g.d, a), y[i]);
+      y[i] = O::fmadd(O::cvt(isum), O::mul(g.d, a), y[i]);
     }
   }
   for (int i = 0; i < MR; ++i) O::storef(r.f[i0 + i], y[i]);
