@@ -85,6 +85,39 @@ def test_tables_and_chart(tmp_path):
     assert out.startswith("`swiftspec bench --num-prompts 1` on ") and md in out
 
 
+def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_dir, tmp_path, capsys):
+    """`--config a.json b.json`: one swiftspec-profiled system per file, named by its stem, each run
+    with its own tree shape (recorded), in one table with the others; a single file keeps the plain
+    name; bad combinations are refused before anything loads."""
+    from swiftspec.benchmark.e2e import expand_systems, main
+
+    shallow, deep = tmp_path / "shallow.json", tmp_path / "deep.json"
+    shallow.write_text(json.dumps({"mode": "serial", "bs": 2, "d": 1}))
+    deep.write_text(json.dumps({"mode": "serial", "bs": 4, "d": 2}))
+    assert expand_systems(["autoregressive", "swiftspec-profiled"], [str(shallow)]) == [
+        ("autoregressive", None), ("swiftspec-profiled", str(shallow))]
+    for systems, configs, msg in ((["swiftspec-profiled"], None, "needs --config"),
+                                  (["autoregressive"], [str(deep)], "add it to --systems"),
+                                  (["swiftspec-profiled"], [str(deep), str(tmp_path / "x" / "deep.json")], "distinct")):
+        with pytest.raises(ValueError, match=msg):
+            expand_systems(systems, configs)
+    assert main(["--target", str(tiny_dir), "--draft", str(tiny_draft_dir), "--prompts", "qa", "--num-prompts", "2",
+                 "--max-tokens", "12", "--dtype", "float32", "--device", "cpu", "--json", "--systems",
+                 "autoregressive", "swiftspec-profiled", "--config", str(shallow), str(deep)]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    by = {}
+    for r in recs:
+        by.setdefault(r["system"], []).append(r)
+    assert set(by) == {"autoregressive", "swiftspec-profiled[shallow]", "swiftspec-profiled[deep]"}
+    assert [(r["engine"]["mode"], r["engine"]["bs"], r["engine"]["d"]) for r in by["swiftspec-profiled[deep]"]] == [
+        ("serial", 4, 2)] * 2
+    assert {r["engine"]["bs"] for r in by["swiftspec-profiled[shallow]"]} == {2}
+    assert all(r["matches_target"] for rs in by.values() for r in rs)  # lossless whatever the shape
+    md = markdown(recs)
+    assert "| autoregressive |" in md and md.index("| swiftspec-profiled[deep] |") < md.index(
+        "| swiftspec-profiled[shallow] |")  # rows in SYSTEMS order, a system's configurations by name
+
+
 def test_pipeline_table():
     from types import SimpleNamespace
 

@@ -5,7 +5,8 @@ Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (
 (the same with a static cache and the decode step compiled),
 ``hf-assisted`` (transformers assisted generation with the draft), ``swiftspec-profiled``
 (the engine as the ``--config`` written by ``swiftspec profile`` sets it up: mode, cores, tree
-shape, ``d``), ``llama-cpp`` (llama.cpp on
+shape, ``d``; with several ``--config`` files one system per file, ``swiftspec-profiled[<file
+stem>]``, so configurations are compared side by side in one run), ``llama-cpp`` (llama.cpp on
 the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF) and
 ``llama-cpp-spec`` (the same with llama-cpp-python's speculative decoding, the draft's GGUF
 proposing chains of 4 tokens).
@@ -80,6 +81,39 @@ def load_prompts(spec: str, n: int) -> tuple[str, list[str]]:
     return path.stem, [r["turns"][0] for r in rows[:n]]
 
 
+def base_system(name: str) -> str:
+    """The system a record's name is an instance of: ``swiftspec-profiled[serial-bs4]`` ->
+    ``swiftspec-profiled``; other names are their own."""
+    return name.split("[", 1)[0]
+
+
+def expand_systems(systems: list[str], configs: list[str] | None) -> list[tuple[str, str | None]]:
+    """(record name, configuration file or None) of every system to start: ``swiftspec-profiled``
+    once per ``--config`` file, named ``swiftspec-profiled[<file stem>]`` when there are several.
+
+    Raises:
+        ValueError: ``swiftspec-profiled`` without a configuration, configurations without
+            ``swiftspec-profiled``, or two files with the same stem (their rows would merge).
+    """
+    configs = list(configs or [])
+    if "swiftspec-profiled" in systems and not configs:
+        raise ValueError("swiftspec-profiled needs --config (from `swiftspec profile`)")
+    if configs and "swiftspec-profiled" not in systems:
+        raise ValueError("--config configures swiftspec-profiled: add it to --systems")
+    stems = [Path(c).stem for c in configs]
+    if len(set(stems)) != len(stems):
+        raise ValueError(f"--config files need distinct names (their rows are named by them): {configs}")
+    out: list[tuple[str, str | None]] = []
+    for s in systems:
+        if s != "swiftspec-profiled":
+            out.append((s, None))
+        elif len(configs) == 1:
+            out.append((s, configs[0]))
+        else:
+            out += [(f"{s}[{stem}]", c) for stem, c in zip(stems, configs)]
+    return out
+
+
 class EngineSystem:
     """A SwiftSpec engine in one of its modes, behind the peers' ``generate`` signature."""
 
@@ -104,6 +138,8 @@ class EngineSystem:
         self.engine = Engine(target, draft if cfg.mode not in ("autoregressive", "pipeline-autoregressive") else None,
                              config=cfg)
         self.system = system
+        c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)
+        self.shape = {"mode": c.mode, "bs": c.bs, "w": c.w, "topk": c.topk or c.w, "d": c.d}
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
@@ -181,16 +217,18 @@ def check_memory(need: dict[str, int], available: int | None) -> None:
         f"(keep autoregressive in each run for the equality column) or use a smaller dtype")
 
 
-def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args, n_ctx: int = 4096):
+def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args, n_ctx: int = 4096,
+                 config: str | None = None):
     """Load one system of the run. ``n_ctx``: the llama.cpp peers' context (the longest prompt
     plus the tokens to generate; with a draft model llama-cpp-python keeps logits for every
-    position of it, 0.6 MB each for the default pair's vocabulary)."""
+    position of it, 0.6 MB each for the default pair's vocabulary). ``config``: the engine
+    configuration file of a ``swiftspec-profiled`` system (:func:`expand_systems`)."""
     from swiftspec.benchmark.peers import HFPeer, LlamaCppPeer
 
-    if system == "swiftspec-profiled":
-        if not args.config:
+    if base_system(system) == "swiftspec-profiled":
+        if config is None:
             raise ValueError("swiftspec-profiled needs --config (from `swiftspec profile`)")
-        return EngineSystem(system, target_dir, draft_dir, dtype, cores, None, args.config, args.device)
+        return EngineSystem(system, target_dir, draft_dir, dtype, cores, None, config, args.device)
     if system in ENGINE_MODES:
         return EngineSystem(system, target_dir, draft_dir, dtype, cores, args.d, device=args.device)
     if system == "hf":
@@ -228,7 +266,7 @@ def _equals(rs: list[dict]) -> str:
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (system, dataset): totals over its prompts."""
     out = []
-    keys = sorted({(r["system"], r["dataset"]) for r in records}, key=lambda k: (SYSTEMS.index(k[0]), k[1]))
+    keys = sorted({(r["system"], r["dataset"]) for r in records}, key=lambda k: (SYSTEMS.index(base_system(k[0])), k[0], k[1]))
     for system, ds in keys:
         rs = [r for r in records if r["system"] == system and r["dataset"] == ds]
         toks = sum(r["num_tokens"] - 1 for r in rs)
@@ -323,7 +361,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                                                       "hf-assisted"], choices=SYSTEMS)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--d", type=int, default=None, help="async expansions per iteration (default automatic)")
-    ap.add_argument("--config", help="engine configuration JSON for swiftspec-profiled (from `swiftspec profile`)")
+    ap.add_argument("--config", nargs="+", metavar="FILE",
+                    help="engine configuration JSON for swiftspec-profiled (from `swiftspec profile`); with several "
+                         "files, one swiftspec-profiled[<file stem>] system per file, side by side")
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--target-gguf", help="GGUF of the target for llama-cpp (default: the default pair's)")
@@ -369,14 +409,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                 ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                               tokenize=True)
                 prompts.append((ds, list(ids["input_ids"] if hasattr(ids, "keys") else ids), args.max_tokens, None))
-    check_memory(weight_bytes(args.systems, target_dir, draft_dir, dtype), available_memory_bytes())
+    to_start = expand_systems(args.systems, args.config)
+    check_memory(weight_bytes([s for s, _ in to_start], target_dir, draft_dir, dtype), available_memory_bytes())
     systems = {}
     records: list[dict] = []
     targets: list[tuple[str, list[int], list[int]]] = []  # (dataset, prompt, the target's tokens) for the trace
     try:
         n_ctx = max(len(ids) + n for _, ids, n, _ in prompts) + 16
-        for s in args.systems:
-            systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args, -(-n_ctx // 256) * 256)
+        for s, config in to_start:
+            systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args, -(-n_ctx // 256) * 256, config)
         for ds, ids, max_tokens, ranks in tqdm(prompts, desc="prompts", file=sys.stderr):
             outs = {}
             for s, sysm in list(systems.items()):
@@ -402,7 +443,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
                                 "matches_target": None if ref is None else toks == ref,
                                 "draft_stalls": m.draft.get("stall_expansions"),
-                                "target_wait_s": m.target.get("wait_s"), **_pipeline_record(m)})
+                                "target_wait_s": m.target.get("wait_s"), **_pipeline_record(m),
+                                **({"engine": systems[s].shape} if isinstance(systems.get(s), EngineSystem) else {})})
     finally:
         for sysm in systems.values():
             sysm.close()

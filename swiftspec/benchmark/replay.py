@@ -83,12 +83,12 @@ def trace_prompts(args: argparse.Namespace) -> list[tuple[str, list[int], int, "
 def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], list[int]]], target_dir: Path,
                  draft_dir: Path, dtype: str, machine: dict) -> None:
     """Rank the target's tokens among the draft's candidates (the draft built as the engine
-    builds it: ``--config``'s or the default ``draft_quant`` and ``draft_vocab``) and write the trace."""
+    builds it: the first ``--config``'s or the default ``draft_quant`` and ``draft_vocab``) and write the trace."""
     from swiftspec import acceptance
     from swiftspec.engine import EngineConfig
     from swiftspec.models.config import ModelConfig
 
-    cfg = EngineConfig.from_json(args.config) if args.config else EngineConfig()
+    cfg = EngineConfig.from_json(args.config[0]) if args.config else EngineConfig()
     vocab = min(ModelConfig.from_dir(target_dir).vocab_size, ModelConfig.from_dir(draft_dir).vocab_size)
     draft_vocab = cfg.draft_logits_vocab(vocab)
     entries = acceptance.record(prompts, draft_dir, dtype, cfg.draft_quant_method, draft_vocab)
