@@ -49,6 +49,27 @@ def test_memory_check_counts_every_system_and_refuses_before_loading(tiny_dir, t
         check_memory(fp32, total - 1)
 
 
+def test_memory_check_counts_native_blocks_as_stored(tmp_path):
+    """A model with native blocks: engines count the blocks file and the other tensors at the
+    dtype's size; the -dequantized engines and transformers every parameter."""
+    import torch
+    from safetensors.torch import save_file
+
+    from swiftspec.models.llama import NATIVE_FILE
+
+    for name in ("t", "d"):
+        (tmp_path / name / "native").mkdir(parents=True)
+        save_file({"w": torch.zeros(64, 64), "norm": torch.zeros(64)}, str(tmp_path / name / "model.safetensors"))
+        save_file({"w": torch.zeros(2304, dtype=torch.uint8)}, str(tmp_path / name / NATIVE_FILE),
+                  metadata={"ggml_types": json.dumps({"w": 12})})
+    blocks = (tmp_path / "t" / NATIVE_FILE).stat().st_size
+    got = weight_bytes(["autoregressive", "autoregressive-dequantized", "swiftspec-serial", "hf"],
+                       tmp_path / "t", tmp_path / "d", "bfloat16")
+    assert got["autoregressive"] == blocks + 2 * 64
+    assert got["autoregressive-dequantized"] == got["hf"] == 2 * (64 * 64 + 64)
+    assert got["swiftspec-serial"] == got["autoregressive"] + blocks + 64  # the draft's other tensors int8
+
+
 def test_equals_column_counts_prompts_and_says_na_without_reference():
     from swiftspec.benchmark.e2e import _equals
 

@@ -158,34 +158,51 @@ class InsufficientMemoryError(ValueError):
     """The systems of one bench run would not fit in memory together (each keeps its own weights)."""
 
 
-def _param_count(model_dir) -> int:
-    """Parameters of a model directory's safetensors files (headers only; nothing is loaded)."""
+def _param_count(model_dir, skip: frozenset = frozenset()) -> int:
+    """Parameters of a model directory's safetensors files, tensors named in ``skip`` left out
+    (headers only; nothing is loaded)."""
     from safetensors import safe_open
 
     n = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys() if k not in skip)
     return n
+
+
+def _engine_weight_bytes(model_dir, per: int) -> int:
+    """An engine's bytes for one model with native weights: its quantized blocks as stored
+    (``native/blocks.safetensors``, kept as they are), every other tensor at ``per`` bytes a
+    parameter."""
+    from swiftspec.models.llama import NATIVE_FILE, native_types
+
+    blocks = Path(model_dir) / NATIVE_FILE
+    if not blocks.is_file():
+        return _param_count(model_dir) * per
+    return blocks.stat().st_size + _param_count(model_dir, frozenset(native_types(model_dir))) * per
 
 
 def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[str, int]:
     """Estimated resident weight bytes per system (a lower bound: activations, KV caches and
-    runtimes come on top). Engines with a draft keep it int8 (the default ``draft_quant``, about
-    1 byte per parameter); peers keep both models at ``dtype``; llama.cpp maps its GGUF file, which
-    the page cache can drop, so it counts 0."""
+    runtimes come on top). Engines keep quantized blocks as stored (native weights), the
+    ``-dequantized`` ones every target weight at ``dtype``; their draft's other weights are int8
+    (the default ``draft_quant``, about 1 byte per parameter); peers keep both models at ``dtype``;
+    llama.cpp maps its GGUF file, which the page cache can drop, so it counts 0."""
     per = 4 if dtype == "float32" else 2
-    t, d = _param_count(target_dir) * per, _param_count(draft_dir)
+    t_float, t_native = _param_count(target_dir) * per, _engine_weight_bytes(target_dir, per)
+    d = _engine_weight_bytes(draft_dir, 1)
     out = {}
     for s in systems:
         if s.startswith("swiftspec") or s in ("pipedec", "pipeinfer"):
-            out[s] = t + d
+            out[s] = (t_float if s.endswith("-dequantized") else t_native) + d
         elif s == "hf-assisted":
-            out[s] = t + d * per
+            out[s] = t_float + _param_count(draft_dir) * per
         elif s.startswith("llama-cpp"):
             out[s] = 0
-        else:  # autoregressive*, hf
-            out[s] = t
+        elif s.endswith("-dequantized"):
+            out[s] = t_float
+        else:  # autoregressive*, pipeline-autoregressive: native weights; hf
+            out[s] = t_float if s.startswith("hf") else t_native
     return out
 
 
