@@ -1,8 +1,11 @@
 """The op dispatch (swiftspec.ops): backend choice, the kernels switch, agreement of every backend
 on the same inputs, and a CPU-extension build that survives a stale torch build lock."""
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from swiftspec import ops
@@ -58,10 +61,46 @@ def test_load_survives_a_stale_torch_build_lock():
     """A process killed inside torch's cpp_extension.load leaves its lock file; loading must not
     wait for it forever."""
     cpu.load()
-    (cpu.build_dir("swiftspec_cpu") / "lock").write_text("")
+    (cpu.build_dir(cpu.module_name()) / "lock").write_text("")
     code = "from swiftspec.ops import cpu; cpu.load(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_cpu_arch_override_names_its_own_module(monkeypatch):
+    """SWIFTSPEC_CPU_ARCH builds for another -march in a module and directory of its own (never
+    mixed with the native build); a value that is not an architecture name is refused."""
+    monkeypatch.delenv("SWIFTSPEC_CPU_ARCH", raising=False)
+    assert cpu.march() == "native" and cpu.module_name() == "swiftspec_cpu"
+    monkeypatch.setenv("SWIFTSPEC_CPU_ARCH", "x86-64-v3")
+    assert cpu.march() == "x86-64-v3" and cpu.module_name() == "swiftspec_cpu_x86_64_v3"
+    assert cpu.module_name(2) == "swiftspec_cpu_llflag2_x86_64_v3"
+    monkeypatch.setenv("SWIFTSPEC_CPU_ARCH", "native -DX; rm")
+    with pytest.raises(cpu.KernelBuildError, match="not a -march value"):
+        cpu.module_name()
+
+
+def test_the_avx2_only_build_passes_the_kernel_tests_on_this_machine():
+    """On an AVX-512 machine, the extension built as an AVX2-only CPU (AMD Zen 3) builds it for
+    itself (-march=x86-64-v3: no AVX-512 path compiled) passes the kernel tests too (every twin
+    against its reference, the quantized GEMM led by its AVX2 kernel): a change that breaks that
+    build or its AVX2 paths fails here, not only on such a CPU."""
+    if "avx512f" not in cpu._cpu_flags().split():
+        pytest.skip("this CPU's own build is already one without AVX-512")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SWIFTSPEC_CPU_ARCH": "x86-64-v3", "SWIFTSPEC_QUANT_GEMM": "avx2"}
+    code = ("from swiftspec import ops; from swiftspec.ops import cpu; m = cpu.load(); "
+            "print(m.__name__, m._tree_attention_impls(), m._linear_impls(), ops.cpu_dispatch())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split(" ", 1)[0] == "swiftspec_cpu_x86_64_v3"
+    assert "['scalar', 'avx2'] ['scalar'] {'quant_gemm': 'avx2', 'skinny_gemm': 'torch', 'tree_attention': 'avx2'" \
+        in out.stdout, out.stdout
+    tests = [str(root / "tests" / f) for f in ("test_cpu_kernels.py", "test_quant_gemm.py")]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
 def test_cuda_swiglu_cut_over_follows_the_h100_measurements():

@@ -3,7 +3,11 @@
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja, pybind11,
 OpenMP through ``at::parallel_for``) for the machine it runs on (``-march=native``), into
 ``$SWIFTSPEC_CACHE/build/`` (default ``~/.cache/swiftspec/build``); later loads only check the
-sources' hash. Concurrent first loads (several worker processes) take an ``flock`` on the build
+sources' hash. ``SWIFTSPEC_CPU_ARCH=<gcc -march value>`` builds for that architecture instead
+(a module and build directory of its own): ``x86-64-v3`` is the code an AVX2-only CPU (AMD Zen 3)
+builds for itself, so an AVX-512 machine can run and time what such a CPU runs (with
+``SWIFTSPEC_QUANT_GEMM=avx2``, the quantized GEMM being picked at run time, and
+``ATEN_CPU_CAPABILITY=avx2`` for torch's own kernels). Concurrent first loads (several worker processes) take an ``flock`` on the build
 directory: one compiles, the others wait. torch's own lock file is not enough on its own: a process
 killed while holding it leaves the file behind and every later load would wait forever, so it is
 removed while our kernel-released lock is held.
@@ -15,6 +19,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -32,6 +37,25 @@ def sources() -> list[Path]:
     cpu = CSRC / "cpu"
     files = sorted(p for p in cpu.glob("*.cpp") if p.name != "registration.cpp")
     return files + [cpu / "registration.cpp"]
+
+
+def march() -> str:
+    """The ``-march`` the extension is built for: ``$SWIFTSPEC_CPU_ARCH`` or "native".
+
+    Raises:
+        KernelBuildError: the variable holds something that is not an architecture name.
+    """
+    arch = os.environ.get("SWIFTSPEC_CPU_ARCH", "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", arch):
+        raise KernelBuildError(f"SWIFTSPEC_CPU_ARCH={arch!r} is not a -march value (e.g. x86-64-v3, znver3)")
+    return arch
+
+
+def module_name(flag_bits: int | None = None) -> str:
+    """The extension's module (and build directory) name: one per LL-flag width and ``march()``."""
+    name = "swiftspec_cpu" if flag_bits is None else f"swiftspec_cpu_llflag{flag_bits}"
+    arch = march()
+    return name if arch == "native" else f"{name}_{re.sub(r'[^A-Za-z0-9]', '_', arch)}"
 
 
 def build_dir(tag: str) -> Path:
@@ -67,9 +91,9 @@ def load(flag_bits: int | None = None, verbose: bool = False):
     """
     from torch.utils import cpp_extension
 
-    name = "swiftspec_cpu" if flag_bits is None else f"swiftspec_cpu_llflag{flag_bits}"
+    name = module_name(flag_bits)
     defines = [] if flag_bits is None else [f"-DSWIFTSPEC_LL_FLAG_BITS={flag_bits}"]
-    cflags = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-unused-function", *defines]
+    cflags = ["-O3", f"-march={march()}", "-fopenmp", "-Wall", "-Wno-unused-function", *defines]
     bdir = build_dir(name)
     try:
         with _exclusive(bdir / "swiftspec.flock", timeout_s=1800):
