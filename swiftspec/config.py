@@ -180,14 +180,17 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     pair when one is stored (``profiled``, :func:`swiftspec.machine_profile.cached_profile`).
     Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA
     nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one
-    bus and the target reads its GGUF blocks (``target_native``), the default pair's draft forward
-    costs ~0.35x the target's and a verification of n nodes grows with n: with AVX-512 VNNI,
-    ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes fastest
-    (run 16: 1.06x ``autoregressive`` on 30 prompts, 1.11x on 12, where bs 4 with 3 expansions was 0.95x); without VNNI
-    (AVX2, scalar) ``autoregressive`` (run 15: bs 4 1.06x, within the noise of its 6 prompts; the
-    shallow tree not yet measured there). With dequantized weights (each forward reads 3-6x the
-    bytes, so several nodes cost little more than one) ``serial`` on all cores beats ``async``
-    (runs 6/7), since splitting the bus slows the target more than overlapping saves.
+    bus and the target reads its GGUF blocks (``target_native``) with a SIMD kernel, the default
+    pair's draft forward costs ~0.3x the target's and a verification of n nodes grows with n, so
+    ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes
+    fastest: with AVX-512 VNNI (run 16: 1.06x ``autoregressive``, where bs 4 with 3 expansions was
+    0.95x; run 26, side by side on AMD Zen 5: 1.27x, deeper trees 1.24-1.31x, within the 5 %
+    ``swiftspec profile`` asks of a change) and with AVX2 (run 26: the extension built as an
+    AVX2-only CPU builds it, its AVX2 kernels, fp32: 1.22x, bs 4 with 2 or 3 expansions
+    1.13x / 1.10x). With the scalar kernel or the kernels off, ``autoregressive``. With dequantized
+    weights (each forward reads 3-6x the bytes, so several nodes cost little more than one)
+    ``serial`` on all cores beats ``async`` (runs 6/7), since splitting the bus slows the target
+    more than overlapping saves.
 
     On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) the CPU profile and rule do not
     apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout), on one GPU
@@ -219,7 +222,7 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
         from swiftspec import ops
 
         isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
-        if isa.startswith("avx512_vnni"):  # either width of the VNNI kernel (run 16-18)
+        if isa in SIMD_QUANT_KERNELS:
             return "serial", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
                               f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
                 {} if own else dict(SHALLOW_TREE)
@@ -231,6 +234,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 # The tree shape of the built-in rule's shallow serial mode (choose_mode): verify the root and
 # the draft's best child, one draft expansion per verification.
 SHALLOW_TREE = {"bs": 2, "d": 1}
+# the quantized-GEMM kernels (ops.cpu_dispatch()["quant_gemm"]) with which that mode measured fastest
+SIMD_QUANT_KERNELS = ("avx512_vnni_512", "avx512_vnni", "avx2")
 _TREE_FIELDS = ("bs", "w", "topk", "d")
 
 

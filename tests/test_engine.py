@@ -150,13 +150,14 @@ def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, mon
     mode, why, tree = engine.choose_mode(auto, True, None)  # no profile: the built-in rule says why
     assert mode in engine.MODES and why.startswith("auto: ")
     assert tree in ({}, engine.SHALLOW_TREE) and (tree == engine.SHALLOW_TREE) == ("bs 2, d 1" in why)
-    # the rule's shallow tree on a VNNI CPU; a shape the user sets wins
+    # the rule's shallow tree where a SIMD kernel reads the blocks; a shape the user sets wins
     from swiftspec import config
     monkeypatch.setattr(config, "_available_cores", lambda: [0, 1])
     monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
     from swiftspec import ops
     for isa, want in (("avx512_vnni", ("serial", engine.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", engine.SHALLOW_TREE)),
-                      ("avx2", ("autoregressive", {}))):
+                      ("avx2", ("serial", engine.SHALLOW_TREE)), ("scalar", ("autoregressive", {})),
+                      ("torch", ("autoregressive", {}))):
         monkeypatch.setattr(ops, "cpu_dispatch", lambda isa=isa: {"quant_gemm": isa})
         mode, why, tree = engine.choose_mode(auto, True, None)
         assert (mode, tree) == want and isa in why

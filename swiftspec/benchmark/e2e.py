@@ -509,7 +509,8 @@ def machine_record() -> dict:
     """What the numbers depend on besides the code: the CPU's model, family and flags (from
     ``/proc/cpuinfo``), the cores this process may use, the kernel each CPU op family dispatches
     to (:func:`swiftspec.ops.cpu_dispatch`), the torch version and the ``SWIFTSPEC_*`` variables
-    of the environment (switches such as ``SWIFTSPEC_QUANT_X16``)."""
+    of the environment (switches such as ``SWIFTSPEC_QUANT_X16``, ``SWIFTSPEC_CPU_ARCH``) with
+    ``ATEN_CPU_CAPABILITY`` (torch's own kernels' ISA)."""
     import torch
 
     from swiftspec import ops
@@ -526,7 +527,8 @@ def machine_record() -> dict:
     return {"cpu": cpu_model_name(), "vendor": info.get("vendor_id"), "cpu_family": info.get("cpu family"),
             "cpu_model": info.get("model"), "cpu_flags": info.get("flags", "").split(),
             "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__,
-            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWIFTSPEC_")}}
+            "env": {k: v for k, v in sorted(os.environ.items())
+                    if k.startswith("SWIFTSPEC_") or k == "ATEN_CPU_CAPABILITY"}}
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
