@@ -99,6 +99,20 @@ def test_tables_and_chart(tmp_path):
     m = machine_record()
     assert m["cpu"] and m["cores"] >= 1 and set(m["isa"]) >= {"quant_gemm", "tree_attention"}
     assert ("avx2" in m["cpu_flags"]) == ("avx2" in Path("/proc/cpuinfo").read_text())
+    # the llama.cpp build is named where a peer loaded one (here: a stand-in module)
+    import sys
+    from types import SimpleNamespace
+    fake = SimpleNamespace(__version__="0.3.36", __file__="/x/llama_cpp/__init__.py",
+                           llama_print_system_info=lambda: b"CPU : AVX2 = 1 | ")
+    saved = sys.modules.get("llama_cpp")
+    sys.modules["llama_cpp"] = fake
+    try:
+        assert machine_record()["llama_cpp"] == {"version": "0.3.36", "path": "/x/llama_cpp",
+                                                 "system_info": "CPU : AVX2 = 1 |"}
+    finally:
+        sys.modules.pop("llama_cpp")
+        if saved is not None:
+            sys.modules["llama_cpp"] = saved
     spec = importlib.util.spec_from_file_location("tables", Path(__file__).resolve().parents[1] / "bench" / "tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)

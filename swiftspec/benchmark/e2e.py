@@ -199,10 +199,10 @@ def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[
             out[s] = t_float + _param_count(draft_dir) * per
         elif s.startswith("llama-cpp"):
             out[s] = 0
-        elif s.endswith("-dequantized"):
+        elif s.startswith("hf") or s.endswith("-dequantized"):
             out[s] = t_float
-        else:  # autoregressive*, pipeline-autoregressive: native weights; hf
-            out[s] = t_float if s.startswith("hf") else t_native
+        else:  # autoregressive, -nokernels, pipeline-autoregressive: the target alone, native weights
+            out[s] = t_native
     return out
 
 
@@ -283,7 +283,8 @@ def _equals(rs: list[dict]) -> str:
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (system, dataset): totals over its prompts."""
     out = []
-    keys = sorted({(r["system"], r["dataset"]) for r in records}, key=lambda k: (SYSTEMS.index(base_system(k[0])), k[0], k[1]))
+    keys = sorted({(r["system"], r["dataset"]) for r in records},
+                  key=lambda k: (SYSTEMS.index(base_system(k[0])), k[0], k[1]))
     for system, ds in keys:
         rs = [r for r in records if r["system"] == system and r["dataset"] == ds]
         toks = sum(r["num_tokens"] - 1 for r in rs)
@@ -510,7 +511,7 @@ def machine_record() -> dict:
     ``/proc/cpuinfo``), the cores this process may use, the kernel each CPU op family dispatches
     to (:func:`swiftspec.ops.cpu_dispatch`), the torch version and the ``SWIFTSPEC_*`` variables
     of the environment (switches such as ``SWIFTSPEC_QUANT_X16``, ``SWIFTSPEC_CPU_ARCH``) with
-    ``ATEN_CPU_CAPABILITY`` (torch's own kernels' ISA)."""
+    ``ATEN_CPU_CAPABILITY`` (torch's own kernels' ISA), and the llama.cpp build where a peer ran."""
     import torch
 
     from swiftspec import ops
@@ -528,7 +529,17 @@ def machine_record() -> dict:
             "cpu_model": info.get("model"), "cpu_flags": info.get("flags", "").split(),
             "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__,
             "env": {k: v for k, v in sorted(os.environ.items())
-                    if k.startswith("SWIFTSPEC_") or k == "ATEN_CPU_CAPABILITY"}}
+                    if k.startswith("SWIFTSPEC_") or k == "ATEN_CPU_CAPABILITY"}, **_llama_cpp_build()}
+
+
+def _llama_cpp_build() -> dict:
+    """The llama.cpp build the peers ran, where one was loaded: its version, library path and the
+    CPU features it was compiled for (``llama_print_system_info``)."""
+    mod = sys.modules.get("llama_cpp")
+    if mod is None:
+        return {}
+    return {"llama_cpp": {"version": getattr(mod, "__version__", "?"), "path": str(Path(mod.__file__).parent),
+                          "system_info": mod.llama_print_system_info().decode(errors="replace").strip()}}
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
