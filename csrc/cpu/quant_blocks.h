@@ -95,7 +95,8 @@ static inline bool has_x8(int base) { return base != kQ5_K && block_bytes(base) 
 //     nibbles: values 4 s + t, high nibbles: values 16 + 4 s + t).
 //   AWQ4 (160): [0,16) d | [16,24) the zeros z of rows 0-7 | [24,32) their reserved bytes |
 //     [32,160) qs as Q4_0's.
-//   Q5_0 (176): [0,16) d | [16,48) qh, one register (row c's 4 bytes at 4c) | [48,176) qs as Q4_0's.
+//   Q5_0 (176): [0,16) d | [16,48) qh, one register (row c's 4 bytes at 4c, the 32 bits of its
+//     little-endian word permuted by q5_x_bit) | [48,176) qs as Q4_0's.
 //   Q8_0 (272): [0,16) d | [16,272) qs as 8 registers, register s = qs[4 s .. 4 s + 3] (values
 //     4 s + t).
 //   Q6_K (1680): [0,16) d | [16,144) the 16 int8 scales as 4 registers (word w of row c: scales
@@ -134,6 +135,23 @@ static inline int x8_source(int base, int i) {
     return r / 4 * bb + qs + 4 * reg + r % 4;
   }
   return -1;
+}
+
+// Q5_0's fifth bits in the interleaved layouts: the bit of value l = 16 h + 4 u + t (h = 1: the
+// high nibbles) moves from bit l of the row's qh word to bit 8 t + 2 u + h, so byte t of the word
+// holds the fifth bits of the values in byte t of every quant register u: a kernel moves them to
+// bit 4 with one 16-bit shift by 4 - 2 u - h and one mask, with no byte shuffle (the bytes of the
+// word are still those x8_source / x16_source place; interleave permutes the bits after them).
+static inline int q5_x_bit(int l) { return 8 * (l % 4) + 2 * (l % 16 / 4) + l / 16; }
+static inline uint32_t q5_qh_to_x(uint32_t qh) {
+  uint32_t r = 0;
+  for (int l = 0; l < 32; ++l) r |= ((qh >> l) & 1u) << q5_x_bit(l);
+  return r;
+}
+static inline uint32_t q5_qh_from_x(uint32_t x) {
+  uint32_t r = 0;
+  for (int l = 0; l < 32; ++l) r |= ((x >> q5_x_bit(l)) & 1u) << l;
+  return r;
 }
 
 // Bytes before the first 32-byte register in an 8-row group block: the 16-byte fields of 8 fp16

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -215,6 +216,14 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
   return out;
 }
 
+// the little-endian 32-bit word at p, through f
+static inline void permute_word(uint8_t* p, uint32_t (*f)(uint32_t)) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  v = f(v);
+  std::memcpy(p, &v, 4);
+}
+
 // [N, row_bytes] plain blocks <-> the 8- or 16-row interleaved layout of `xtype` (quant_blocks.h).
 at::Tensor interleave(const at::Tensor& w, int64_t xtype, bool to_x) {
   const int t = static_cast<int>(xtype);
@@ -231,20 +240,31 @@ at::Tensor interleave(const at::Tensor& w, int64_t xtype, bool to_x) {
   const int64_t nb = w.size(1) / bb, gbytes = g * w.size(1);
   std::vector<int> map(g * bb);
   for (int i = 0; i < g * bb; ++i) map[i] = g == 16 ? x16_source(base_type(t), i) : x8_source(base_type(t), i);
+  // Q5_0: the interleaved block's qh words (one per row: the 4 bytes from plain offsets 2..5, in
+  // order) carry their bits permuted (q5_x_bit)
+  std::vector<int> qh_words;
+  if (base_type(t) == kQ5_0)
+    for (int i = 0; i < g * bb; ++i)
+      if (map[i] % bb == 2) qh_words.push_back(i);
   const uint8_t* in = src.data_ptr<uint8_t>();
   uint8_t* o = dst.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   at::parallel_for(0, w.size(0) / g, 64, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> xblk(g * bb);
     for (int64_t grp = g0; grp < g1; ++grp) {
       const uint8_t* from = in + grp * gbytes;
       uint8_t* to = o + grp * gbytes;
       for (int64_t b = 0; b < nb; ++b) {
-        for (int i = 0; i < g * bb; ++i) {
-          const int64_t plain = map[i] / bb * row_bytes + b * bb + map[i] % bb, x = b * g * bb + i;
-          if (to_x)
-            to[x] = from[plain];
-          else
-            to[plain] = from[x];
+        const auto plain = [&](int i) { return map[i] / bb * row_bytes + b * bb + map[i] % bb; };
+        if (to_x) {
+          uint8_t* xb = to + b * g * bb;
+          for (int i = 0; i < g * bb; ++i) xb[i] = from[plain(i)];
+          for (int i : qh_words) permute_word(xb + i, q5_qh_to_x);
+        } else {
+          uint8_t* xb = xblk.data();
+          std::copy(from + b * g * bb, from + (b + 1) * g * bb, xb);
+          for (int i : qh_words) permute_word(xb + i, q5_qh_from_x);
+          for (int i = 0; i < g * bb; ++i) to[plain(i)] = xb[i];
         }
       }
     }

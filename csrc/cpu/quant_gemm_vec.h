@@ -53,8 +53,6 @@ struct Vec<__m256i> {
   static I srai32(I a, int n) { return _mm256_srai_epi32(a, n); }
   // a's bytes negated where b < 0, zeroed where b == 0 (vpsignb)
   static I sign8(I a, I b) { return _mm256_sign_epi8(a, b); }
-  // v's bytes where a == b, else 0
-  static I select_eq8(I a, I b, I v) { return _mm256_and_si256(_mm256_cmpeq_epi8(a, b), v); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
@@ -113,7 +111,6 @@ struct Vec<__m512i> {
     const I neg = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(b), _mm512_setzero_si512(), a);
     return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(b, b), neg);
   }
-  static I select_eq8(I a, I b, I v) { return _mm512_maskz_mov_epi8(_mm512_cmpeq_epi8_mask(a, b), v); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }

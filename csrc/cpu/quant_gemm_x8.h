@@ -39,6 +39,11 @@ static inline V sbytes16(V t, int j0, int j1) {
 }
 template <class V>
 static inline V lo_nibbles(V v) { return Vec<V>::and_(v, Vec<V>::set8(0x0F)); }
+// every 16-bit lane shifted left by n (right by -n where n < 0); n a constant after unrolling
+template <class V>
+static inline V shift16(V v, int n) {
+  return n > 0 ? Vec<V>::slli16(v, n) : (n < 0 ? Vec<V>::srli16(v, -n) : v);
+}
 template <class V>
 static inline V hi_nibbles(V v) { return Vec<V>::and_(Vec<V>::srli16(v, 4), Vec<V>::set8(0x0F)); }
 
@@ -350,11 +355,11 @@ static inline void q0_regs(const uint8_t* blk, const Q0Header<V>& g, int u, V& l
   const V raw = O::load(blk + S * ((Base == kAWQ4 ? 32 : (Base == kQ5_0 ? 48 : 16)) + 32 * u));
   lo = lo_nibbles(raw);
   hi = hi_nibbles(raw);
-  if (Base == kQ5_0) {  // bit 4 u + t (low nibbles) and 16 + 4 u + t (high nibbles) of the row's qh -> 0x10
-    const V spread = O::bcast128(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-    const V bit = O::set32(0x08040201), k10 = O::set8(0x10);
-    lo = O::or_(lo, O::select_eq8(O::and_(O::shuffle8(O::srli32(g.qh, 4 * u), spread), bit), bit, k10));
-    hi = O::or_(hi, O::select_eq8(O::and_(O::shuffle8(O::srli32(g.qh, 16 + 4 * u), spread), bit), bit, k10));
+  if (Base == kQ5_0) {  // the fifth bits of byte t's values: bits 2 u (low nibbles), 2 u + 1 of byte t of
+    // the row's qh word (quant_blocks.h, q5_x_bit) -> bit 4, by one 16-bit shift and the mask
+    const V k10 = O::set8(0x10);
+    lo = O::or_(lo, O::and_(shift16(g.qh, 4 - 2 * u), k10));
+    hi = O::or_(hi, O::and_(shift16(g.qh, 3 - 2 * u), k10));
   }
 }
 
