@@ -7,8 +7,8 @@ sources' hash. ``SWIFTSPEC_CPU_ARCH=<gcc -march value>`` builds for that archite
 (a module and build directory of its own): ``x86-64-v3`` is the code an AVX2-only CPU (AMD Zen 3)
 builds for itself, so an AVX-512 machine can run and time what such a CPU runs (with
 ``SWIFTSPEC_QUANT_GEMM=avx2``, the quantized GEMM being picked at run time, and
-``ATEN_CPU_CAPABILITY=avx2`` for torch's own kernels). Concurrent first loads (several worker processes) take an ``flock`` on the build
-directory: one compiles, the others wait. torch's own lock file is not enough on its own: a process
+``ATEN_CPU_CAPABILITY=avx2`` for torch's own kernels). Concurrent first loads (several worker
+processes) take an ``flock`` on the build directory: one compiles, the others wait. torch's own lock file is not enough on its own: a process
 killed while holding it leaves the file behind and every later load would wait forever, so it is
 removed while our kernel-released lock is held.
 """
