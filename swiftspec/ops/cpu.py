@@ -8,9 +8,9 @@ sources' hash. ``SWIFTSPEC_CPU_ARCH=<gcc -march value>`` builds for that archite
 builds for itself, so an AVX-512 machine can run and time what such a CPU runs (with
 ``SWIFTSPEC_QUANT_GEMM=avx2``, the quantized GEMM being picked at run time, and
 ``ATEN_CPU_CAPABILITY=avx2`` for torch's own kernels). Concurrent first loads (several worker
-processes) take an ``flock`` on the build directory: one compiles, the others wait. torch's own lock file is not enough on its own: a process
-killed while holding it leaves the file behind and every later load would wait forever, so it is
-removed while our kernel-released lock is held.
+processes) take an ``flock`` on the build directory: one compiles, the others wait. torch's own
+lock file is not enough on its own: a process killed while holding it leaves the file behind and
+every later load would wait forever, so it is removed while our kernel-released lock is held.
 """
 from __future__ import annotations
 
