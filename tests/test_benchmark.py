@@ -210,8 +210,8 @@ def test_profile_confirms_a_sweep_winner_against_the_defaults():
 
 
 def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, capsys, monkeypatch):
-    """`swiftspec profile` measures the split, the shared (serial) allocation (default and shallow
-    tree) and the target alone,
+    """`swiftspec profile` measures the split, the shared (serial) allocation (default, shallow and
+    middle tree) and the target alone,
     prints every candidate, writes a configuration the engine runs with the target's own greedy
     output, and stores its mode for mode="auto" on this machine and pair."""
     from swiftspec import machine_profile
@@ -230,9 +230,10 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| sweep")]
     modes = [line.split("|")[2].strip() for line in rows]
-    # auto d plus two more each; serial also with the shallow tree (bs 2, d 1)
-    assert modes.count("async") == 3 and modes.count("serial") == 4, printed
-    assert any(line.split("|")[5:8] == [" 2 ", " 2 ", " 1 "] for line in rows if "| serial |" in line), printed
+    # auto d plus two more each; serial also with the shallow tree (bs 2, d 1) and the middle one (bs 4, d 2)
+    assert modes.count("async") == 3 and modes.count("serial") == 5, printed
+    serial = [line.split("|")[5:8] for line in rows if "| serial |" in line]
+    assert [" 2 ", " 2 ", " 1 "] in serial and [" 4 ", " 2 ", " 2 "] in serial, printed
     assert modes.count("autoregressive") == 1, printed
     assert printed.count("**chosen**") == 1 and "chosen: " in printed
     cfg = EngineConfig.from_json(out)

@@ -9,8 +9,10 @@ to end on calibration prompts and write the chosen configuration as JSON for
 ``Engine(config=...)`` / ``swiftspec generate --config``.
 
 Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
-where draft and target take turns on every device, with the default tree and with the shallow one
-(``engine.SHALLOW_TREE``: bs 2, one expansion; bench/RESULTS.md run 16); and so is the target alone
+where draft and target take turns on every device, with the default tree, the shallow one
+(``engine.SHALLOW_TREE``: bs 2, one expansion; bench/RESULTS.md run 16) and a middle one
+(:data:`MIDDLE_TREE`: bs 4, two expansions, within a few percent of the shallow one on AMD Zen 5,
+run 26, so a machine where it is clearly faster gets it); and so is the target alone
 (``autoregressive``), which wins where a verification batch costs more than it saves. The paper's
 GPUs gain from splitting because a group's speed grows slowly with its size; on a few CPU cores
 the target's speed is about proportional to its cores (bench/RESULTS.md: 8-row verification 182
@@ -57,6 +59,8 @@ def d_candidates(t_target: float, t_draft: float) -> list[int]:
 # Tree shapes (bs, w) tried by --sweep after the defaults: wider and narrower expansions, smaller and
 # bigger subgraphs (a verification costs more per row on CPUs, so bs trades depth for target time).
 SWEEP_SHAPES = [(8, 4), (8, 1), (6, 2), (12, 2), (4, 4), (16, 8)]
+# the serial tree between the shallow one and the default: bs 4, two expansions (bench/RESULTS.md run 26)
+MIDDLE_TREE = {"bs": 4, "d": 2}
 
 
 def choose(rows: list[dict], default: dict, margin: float = 0.05) -> dict:
@@ -169,7 +173,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
         return out
 
     rows: list[dict] = []
-    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 4, desc="candidates", file=sys.stderr,
+    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 5, desc="candidates", file=sys.stderr,
                disable=not progress)
     for t_dev, d_dev in splits:
         for bs, w in shapes:
@@ -181,6 +185,8 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     # the shallow tree (root and best child, one expansion): where verifying a node costs nearly a step
     rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
                  "bs": SHALLOW_TREE["bs"], "w": dflt.w, "d": SHALLOW_TREE["d"]})
+    rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
+                 "bs": MIDDLE_TREE["bs"], "w": dflt.w, "d": MIDDLE_TREE["d"]})
     # the target alone: where a verification batch costs more than the tokens it saves, the fastest
     rows += run({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"})
