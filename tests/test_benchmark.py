@@ -331,7 +331,7 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
 
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's numbers of runs 13, 15, 16, 20 and 24 are those of their records."""
+    the README's numbers of runs 13, 15, 16, 20, 24 and 26 are those of their records."""
     import importlib.util
     from pathlib import Path
 
@@ -372,6 +372,22 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     for system in ("pipeline-autoregressive", "pipedec", "pipeinfer"):
         assert any(line.startswith(f"| `{system}`") and f"| {rows20[system]} |" in line
                    for line in readme.splitlines()), system
+    # run 26: the AVX2 build's ratios the README quotes, from their records
+    from swiftspec.benchmark.e2e import overall
+
+    def ratio(name, system, ref):
+        tot = overall(json.loads((root / "bench" / "results" / name).read_text())["records"])
+        return f"{tot[system] / tot[ref]:.2f}x"
+
+    text = " ".join(readme.split())
+    llama = [f"run26-zen5-avx2build-6x5-llamacpp-avx2{s}.json" for s in ("", "-q5bits")]
+    assert (f"the default mode {ratio(llama[0], 'swiftspec-profiled', 'llama-cpp')} and "
+            f"{ratio(llama[1], 'swiftspec-profiled', 'llama-cpp')}") in text
+    assert (f"our `autoregressive` {ratio(llama[0], 'autoregressive', 'llama-cpp')} and "
+            f"{ratio(llama[1], 'autoregressive', 'llama-cpp')}") in text
+    shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
+    again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
+    assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
 
