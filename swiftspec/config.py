@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from swiftspec.draft_state import TreeParams
@@ -165,9 +165,25 @@ class EngineConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "EngineConfig":
-        """Load a configuration file (as written by ``swiftspec profile``); unknown keys are errors."""
-        data = json.loads(Path(path).read_text())
+        """Load a configuration file (as written by ``swiftspec profile``); ``overrides`` that are
+        not None replace its fields.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not a JSON object, names a field EngineConfig does not have
+                (all such fields named), or a value is invalid.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"engine configuration {path}: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"engine configuration {path}: expected a JSON object, got {type(data).__name__}")
         data = {k: v for k, v in data.items() if k not in ("target", "draft", "_measured")}
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"engine configuration {path}: unknown field(s) {', '.join(unknown)} "
+                             f"(EngineConfig has {', '.join(f.name for f in fields(cls))})")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 

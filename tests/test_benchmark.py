@@ -136,6 +136,14 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
                                   (["swiftspec-profiled"], [str(deep), str(tmp_path / "x" / "deep.json")], "distinct")):
         with pytest.raises(ValueError, match=msg):
             expand_systems(systems, configs)
+    # every file is checked before anything loads: a typo'd field, not JSON, not an object, missing
+    for text, msg in (('{"mode": "serial", "bz": 4}', r"unknown field\(s\) bz"), ("{mode: serial", "not JSON"),
+                      ("[1, 2]", "a JSON object")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            expand_systems(["swiftspec-profiled"], [str(shallow), str(tmp_path / "bad.json")])
+    with pytest.raises(FileNotFoundError):
+        expand_systems(["swiftspec-profiled"], [str(shallow), str(tmp_path / "none.json")])
     assert main(["--target", str(tiny_dir), "--draft", str(tiny_draft_dir), "--prompts", "qa", "--num-prompts", "2",
                  "--max-tokens", "12", "--dtype", "float32", "--device", "cpu", "--json", "--systems",
                  "autoregressive", "swiftspec-profiled", "--config", str(shallow), str(deep)]) == 0

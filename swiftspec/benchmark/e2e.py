@@ -91,10 +91,16 @@ def expand_systems(systems: list[str], configs: list[str] | None) -> list[tuple[
     """(record name, configuration file or None) of every system to start: ``swiftspec-profiled``
     once per ``--config`` file, named ``swiftspec-profiled[<file stem>]`` when there are several.
 
+    Every file is read here, before any model loads.
+
     Raises:
         ValueError: ``swiftspec-profiled`` without a configuration, configurations without
-            ``swiftspec-profiled``, or two files with the same stem (their rows would merge).
+            ``swiftspec-profiled``, two files with the same stem (their rows would merge), or a
+            file that is not an engine configuration (:meth:`EngineConfig.from_json`).
+        FileNotFoundError: a configuration file that does not exist.
     """
+    from swiftspec.config import EngineConfig
+
     configs = list(configs or [])
     if "swiftspec-profiled" in systems and not configs:
         raise ValueError("swiftspec-profiled needs --config (from `swiftspec profile`)")
@@ -103,6 +109,8 @@ def expand_systems(systems: list[str], configs: list[str] | None) -> list[tuple[
     stems = [Path(c).stem for c in configs]
     if len(set(stems)) != len(stems):
         raise ValueError(f"--config files need distinct names (their rows are named by them): {configs}")
+    for c in configs:
+        EngineConfig.from_json(c)
     out: list[tuple[str, str | None]] = []
     for s in systems:
         if s != "swiftspec-profiled":
