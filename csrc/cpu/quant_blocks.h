@@ -153,6 +153,13 @@ static inline uint32_t q5_qh_from_x(uint32_t x) {
   for (int l = 0; l < 32; ++l) r |= ((x >> q5_x_bit(l)) & 1u) << l;
   return r;
 }
+// the little-endian 32-bit word at p (a qh word), through f (q5_qh_to_x or q5_qh_from_x)
+static inline void permute_word(uint8_t* p, uint32_t (*f)(uint32_t)) {
+  uint32_t v;
+  __builtin_memcpy(&v, p, 4);
+  v = f(v);
+  __builtin_memcpy(p, &v, 4);
+}
 
 // Bytes before the first 32-byte register in an 8-row group block: the 16-byte fields of 8 fp16
 // (or 8 + 8 bytes) values: d and dmin (Q4_K), d and the zeros (AWQ4), d alone (the others).

@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -214,14 +213,6 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     }
   });
   return out;
-}
-
-// the little-endian 32-bit word at p, through f
-static inline void permute_word(uint8_t* p, uint32_t (*f)(uint32_t)) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  v = f(v);
-  std::memcpy(p, &v, 4);
 }
 
 // [N, row_bytes] plain blocks <-> the 8- or 16-row interleaved layout of `xtype` (quant_blocks.h).

@@ -131,12 +131,7 @@ void gemm_scalar(const Problem& p, int64_t n0, int64_t n1, float* out, int64_t l
         const uint8_t* blk = wrow + b * bb * gr;
         if (inv != nullptr) {
           for (int off = 0; off < bb; ++off) plain[off] = blk[inv[c * bb + off]];
-          if (base == kQ5_0) {  // the interleaved qh word's bits (q5_x_bit)
-            uint32_t qh;
-            __builtin_memcpy(&qh, plain + 2, 4);
-            qh = q5_qh_from_x(qh);
-            __builtin_memcpy(plain + 2, &qh, 4);
-          }
+          if (base == kQ5_0) permute_word(plain + 2, q5_qh_from_x);  // the interleaved qh bits (q5_x_bit)
           blk = plain;
         }
         decode(base, blk, dec);

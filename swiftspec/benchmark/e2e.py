@@ -147,7 +147,8 @@ class EngineSystem:
                              config=cfg)
         self.system = system
         c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)
-        self.shape = {"mode": c.mode, "bs": c.bs, "w": c.w, "topk": c.topk or c.w, "d": c.d}
+        t = c.tree_params()
+        self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d}
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see

@@ -182,11 +182,11 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
             rows += run(base, explore_d=True)
     rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"}, explore_d=True)
-    # the shallow tree (root and best child, one expansion): where verifying a node costs nearly a step
-    rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
-                 "bs": SHALLOW_TREE["bs"], "w": dflt.w, "d": SHALLOW_TREE["d"]})
-    rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
-                 "bs": MIDDLE_TREE["bs"], "w": dflt.w, "d": MIDDLE_TREE["d"]})
+    # the shallow tree (root and best child, one expansion): where verifying a node costs nearly a
+    # step; the middle one between it and the default
+    for tree in (SHALLOW_TREE, MIDDLE_TREE):
+        rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
+                     "bs": tree["bs"], "w": dflt.w, "d": tree["d"]})
     # the target alone: where a verification batch costs more than the tokens it saves, the fastest
     rows += run({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"})
