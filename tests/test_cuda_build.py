@@ -158,6 +158,9 @@ def test_invalid_arguments_are_rejected_before_any_device_call(libs):
     fake = ctypes.c_void_p(16)
     assert lib.ss_swiglu(fake, fake, fake, 17, 64, 64, 1, None) == invalid  # M > 16
     assert lib.ss_swiglu(fake, fake, fake, 4, 64, 64, 7, None) == invalid   # unknown dtype
+    assert lib.ss_rms_norm(fake, None, fake, fake, None, 2, 8193, 1e-6, 1, None) == invalid  # H > max
+    assert lib.ss_rms_norm(fake, fake, fake, fake, None, 2, 64, 1e-6, 1, None) == invalid   # residual, no res_out
+    assert lib.ss_rms_norm(fake, None, fake, fake, None, 2, 64, -1.0, 1, None) == invalid   # eps < 0
     assert lib.ss_swiglu(fake, fake, fake, 0, 64, 64, 1, None) == 0         # empty: no launch
     assert lib.ss_ll_all_reduce(fake, fake, 10, 0, 0, fake, fake, 0, 0, 1024, 10**9, None) == invalid
     assert lib.ss_ll_all_reduce(fake, fake, 10, 0, 2, fake, fake, 0, 1, 1024, 10**9, None) == invalid

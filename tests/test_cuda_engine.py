@@ -55,6 +55,21 @@ def test_runner_on_cuda_equals_autoregressive(tiny_dir, kernels, loop):
         ops.set_kernels(True)
 
 
+def test_each_model_keeps_its_own_attention_workspace(tiny_dir):
+    """Target and draft never share split-KV partials (they run on concurrent streams in the
+    colocated mode), and a workspace never moves once used (CUDA graphs hold its address): on the
+    default pair's shapes a shared, growing workspace left the target's graphs writing freed
+    memory (an illegal address in serial mode)."""
+    target, draft = _states(tiny_dir, streams=True)
+    kt, kd = target.runner.runner.kv, draft.runner.runner.kv
+    assert kt.workspace is not None and kt.workspace is not kd.workspace
+    req = Request(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 12, (2,), 3, False)
+    _run(scheduler.run_colocated, draft, target, req)
+    addresses = (kt.workspace.partials.data_ptr(), kd.workspace.partials.data_ptr())
+    _run(scheduler.run_serial, draft, target, req)
+    assert (kt.workspace.partials.data_ptr(), kd.workspace.partials.data_ptr()) == addresses
+
+
 @pytest.mark.parametrize("loop", ["serial", "colocated"])
 def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir, loop):
     """First three sampled tokens against the exact target distribution (chi-square), as the

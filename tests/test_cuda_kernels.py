@@ -106,6 +106,43 @@ def test_swiglu_argument_errors(cuda):
         cuda.swiglu(x, _randn((64, 8), 2, torch.float32).t())
 
 
+# ---- RMSNorm ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,H", [(1, 64), (3, 896), (8, 1536), (16, 8192), (40, 100)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_reference(cuda, dtype, rows, H, with_residual):
+    x = _randn((rows, H), 7, dtype, scale=3.0)
+    res = _randn((rows, H), 8, dtype) if with_residual else None
+    w = _randn((H,), 9, dtype)
+    y, r = cuda.rms_norm(x, res, w, 1e-6)
+    ref_y, ref_r = reference.rms_norm(x, res, w, 1e-6)
+    assert torch.equal(r, ref_r)  # x + residual: one rounding, as torch's add
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(y.float(), ref_y.float(), atol=atol, rtol=rtol)
+
+
+def test_rms_norm_is_batch_invariant(cuda):
+    x = _randn((16, 1536), 10, torch.bfloat16)
+    res = _randn((16, 1536), 11, torch.bfloat16)
+    w = _randn((1536,), 12, torch.bfloat16)
+    full = cuda.rms_norm(x, res, w, 1e-6)[0]
+    for i in (0, 5, 15):
+        assert torch.equal(cuda.rms_norm(x[i:i + 1], res[i:i + 1], w, 1e-6)[0], full[i:i + 1])
+
+
+def test_rms_norm_argument_errors(cuda):
+    x = _randn((2, 64), 1, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        cuda.rms_norm(x, None, _randn((64,), 2, torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        cuda.rms_norm(x, None, _randn((63,), 2, torch.float32), 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        cuda.rms_norm(x, _randn((3, 64), 2, torch.float32), _randn((64,), 2, torch.float32), 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        cuda.rms_norm(_randn((1, 8193), 1, torch.float32), None, _randn((8193,), 2, torch.float32), 1e-6)
+
+
 # ---- tree attention ---------------------------------------------------------------------------
 
 def _attn_inputs(n, Hq, Hk, D, C, S, P, dtype, seed, fully_masked_split=False):
@@ -149,6 +186,8 @@ ATTN_CASES = [
     (7, 4, 1, 256, 130, 97, 300, 4),
     (3, 2, 1, 30, 50, 37, 64, 2),
     (4, 2, 2, 64, 20, 0, 64, None),        # no keys at all: zeros, cache still written
+    (1, 12, 2, 128, 600, 513, 1024, None),  # the default target's heads, a decode step
+    (8, 14, 2, 64, 1100, 1030, 2048, None),  # the default draft's heads, an expansion
 ]
 
 

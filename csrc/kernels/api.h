@@ -45,6 +45,8 @@ extern "C" {
 // Largest head dim and number of KV splits of tree attention.
 #define SS_ATTN_MAX_HEAD_DIM 256
 #define SS_ATTN_MAX_SPLITS 64
+// Largest row length (hidden size) of the fused RMSNorm.
+#define SS_NORM_MAX_H 8192
 
 // ---- runtime.cu -------------------------------------------------------------------------------
 // Version of this ABI; bumped whenever a signature below changes.
@@ -116,6 +118,14 @@ SS_API int ss_tree_attention(const void* q, const void* k_new, const void* v_new
                              void* out, float* workspace, int* counters, int n, int Hq, int Hk,
                              int D, int C, int S, int P, float scale, int num_splits,
                              int keys_per_split, int dtype, void* stream);
+
+// ---- norm.cu ----------------------------------------------------------------------------------
+// Fused residual add + RMSNorm (reference.rms_norm): res_out = x + residual (rounded to dtype),
+// out = weight * round(res_out * rsqrt(mean(res_out^2) + eps)), statistics in fp32. x, residual,
+// out, res_out [rows, H]; weight [H]; one dtype; residual and res_out both NULL for no add.
+// 1 <= H <= SS_NORM_MAX_H.
+SS_API int ss_rms_norm(const void* x, const void* residual, const void* weight, void* out,
+                       void* res_out, int rows, int H, float eps, int dtype, void* stream);
 
 #ifdef __cplusplus
 }  // extern "C"

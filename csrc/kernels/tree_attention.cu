@@ -9,8 +9,9 @@
 //   1. the first query head of each KV group, split 0, writes the rotated k_new / v_new rows into
 //      the caches at `slots` (negative or >= C: not written);
 //   2. q rows are rotated (and rounded to T, as the reference materializes them) into shared memory;
-//   3. keys are streamed in tiles of kKeyTile: scores (fp32) with the mask applied, online softmax
-//      (running max m, running sum l, unnormalized accumulator acc in registers);
+//   3. keys are streamed in tiles of kKeyTile (a tile no query row sees is skipped): the tile's
+//      keys and values loaded into registers together, scores (fp32) with the mask applied, online
+//      softmax (running max m, running sum l, unnormalized accumulator acc in registers);
 //   4. with one split the block normalizes and writes the output; otherwise it stores (m, l, acc)
 //      to the workspace, and the last block of head h to arrive merges all splits and writes the
 //      output - no second kernel launch, which matters when a whole decode step is ~100 us.
@@ -33,7 +34,10 @@ constexpr int kKeyTile = 16;
 constexpr int kMaxN = SS_MAX_M;
 constexpr int kMaxD = SS_ATTN_MAX_HEAD_DIM;
 constexpr int kAccPerThread = kMaxN * kMaxD / kAttnThreads;
-constexpr int kMinTilesPerSplit = 4;  // below 64 keys a split costs more in merging than it saves
+constexpr int kTileRegs = kKeyTile * kMaxD / kAttnThreads;  // key (and value) elements per thread
+// fewer key tiles per split than this cost more in merging than they save; with the tile's loads
+// in flight together a tile costs about one memory latency, so short splits fill the GPU sooner
+constexpr int kMinTilesPerSplit = 2;
 
 struct AttnParams {
   const void* q;
@@ -134,33 +138,55 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
   const int s0 = split * p.keys_per_split;
   const int s1 = min(S, s0 + p.keys_per_split);
   for (int t0 = s0; t0 < s1; t0 += kKeyTile) {
-    // 3a. which keys of the tile are written by this launch
+    // 3a. which keys of the tile are written by this launch, and whether any row sees one of
+    //     them: a tile no row sees (the padding of a CUDA graph's mask out to the cache's
+    //     capacity, most of all) is skipped, so the work follows the keys in use, not the capacity
+    bool seen = false;
     if (tid < kKeyTile) {
       const int j = t0 + tid;
       int src = -1;
-      if (j < s1)
-        for (int i = 0; i < n; ++i)
+      if (j < s1) {
+        for (int i = 0; i < n; ++i) {
           if (slot_s[i] == j) src = i;
+          seen = seen || p.mask[static_cast<int64_t>(i) * S + j];
+        }
+      }
       srcs[tid] = src;
     }
-    __syncthreads();
-    // 3b. key tile (fp32)
-    for (int e = tid; e < kKeyTile * D; e += blockDim.x) {
+    if (!__syncthreads_or(seen)) continue;  // uniform: every thread gets the same answer
+    // 3b. the tile's keys and values from the cache into registers, every load issued before
+    //     any is used (one memory latency per tile instead of one per element). A slot this
+    //     launch writes may be read mid-write here: its value is replaced below.
+    float kreg[kTileRegs], vreg[kTileRegs];
+#pragma unroll
+    for (int r = 0; r < kTileRegs; ++r) {
+      const int e = tid + r * kAttnThreads;
       const int jj = e / D, d = e - jj * D;
-      const int j = t0 + jj;
-      float v = 0.f;
-      if (j < s1) {
-        const int src = srcs[jj];
+      float kx = 0.f, vx = 0.f;
+      if (e < kKeyTile * D && t0 + jj < s1) {
+        const int64_t c = (static_cast<int64_t>(hk) * C + t0 + jj) * D + d;
+        kx = to_float<T>(k_cache[c]);
+        vx = to_float<T>(v_cache[c]);
+      }
+      kreg[r] = kx;
+      vreg[r] = vx;
+    }
+#pragma unroll
+    for (int r = 0; r < kTileRegs; ++r) {
+      const int e = tid + r * kAttnThreads;
+      if (e < kKeyTile * D) {
+        const int jj = e / D, d = e - jj * D;
+        const int src = t0 + jj < s1 ? srcs[jj] : -1;
+        float v = kreg[r];
         if (src >= 0) {
           const int pos = pos_s[src];
           const T* krow = k_new + (static_cast<int64_t>(src) * p.Hk + hk) * D;
           v = round_to<T>(rope_at<T>(krow, d, D, p.cos_table + static_cast<int64_t>(pos) * D,
                                      p.sin_table + static_cast<int64_t>(pos) * D));
-        } else {
-          v = to_float<T>(k_cache[(static_cast<int64_t>(hk) * C + j) * D + d]);
+          vreg[r] = to_float<T>(v_new[(static_cast<int64_t>(src) * p.Hk + hk) * D + d]);
         }
+        kv[jj * ld + d] = v;
       }
-      kv[jj * ld + d] = v;
     }
     __syncthreads();
     // 3c. masked scores
@@ -172,6 +198,7 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
         float dot = 0.f;
         const float* qr = qs + i * D;
         const float* kr = kv + jj * ld;
+#pragma unroll 8
         for (int d = 0; d < D; ++d) dot = fmaf(qr[d], kr[d], dot);
         s = dot * p.scale;
       }
@@ -179,16 +206,13 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
     }
     __syncthreads();
     // 3d. value tile (overwrites the keys, all scores are done) and the online softmax update
-    for (int e = tid; e < kKeyTile * D; e += blockDim.x) {
-      const int jj = e / D, d = e - jj * D;
-      const int j = t0 + jj;
-      float v = 0.f;
-      if (j < s1) {
-        const int src = srcs[jj];
-        v = src >= 0 ? to_float<T>(v_new[(static_cast<int64_t>(src) * p.Hk + hk) * D + d])
-                     : to_float<T>(v_cache[(static_cast<int64_t>(hk) * C + j) * D + d]);
+#pragma unroll
+    for (int r = 0; r < kTileRegs; ++r) {
+      const int e = tid + r * kAttnThreads;
+      if (e < kKeyTile * D) {
+        const int jj = e / D, d = e - jj * D;
+        kv[jj * ld + d] = vreg[r];
       }
-      kv[jj * ld + d] = v;
     }
     if (tid < n) {
       float* srow = sc + tid * kKeyTile;

@@ -10,7 +10,18 @@ Architecture: docs/architecture.md §4.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class LayerKV(NamedTuple):
+    """One layer's view of a :class:`KVCache` (what the attention op takes)."""
+
+    k: torch.Tensor  # [kv_heads, capacity, head_dim]
+    v: torch.Tensor  # [kv_heads, capacity, head_dim]
+    pos: torch.Tensor | None  # [capacity] int64 slot positions, None unless tracked
+    workspace: object  # the CUDA attention workspace of this cache's model (None on CPU)
 
 
 class KVCache:
@@ -32,11 +43,20 @@ class KVCache:
         # attention orders and splits keys by position (csrc/cpu/tree_attention.cpp, "Key positions").
         # Without, verified keys sit at the slots of their positions (the re-root's compaction).
         self.pos = torch.arange(capacity, device=device) if track_positions else None
+        # On CUDA, the split-KV partials and counters of this model's attention launches: one per
+        # cache, so two models on concurrent streams (the colocated mode) never share one, and
+        # sized once for the largest launch, so pointers captured in CUDA graphs stay valid.
+        self.workspace = None
+        if self.buf.is_cuda:
+            from swiftspec.ops.cuda import TreeAttentionWorkspace
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, and the slots'
-        positions ``[capacity]`` int64 (shared by all layers), None unless they are tracked."""
-        return self.buf[i, 0], self.buf[i, 1], self.pos
+            self.workspace = TreeAttentionWorkspace(self.buf.device)
+
+    def layer(self, i: int) -> LayerKV:
+        """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, the slots'
+        positions ``[capacity]`` int64 (shared by all layers), None unless they are tracked, and
+        the cache's attention workspace (all layers share it: they run one after another)."""
+        return LayerKV(self.buf[i, 0], self.buf[i, 1], self.pos, self.workspace)
 
     def note_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Record that ``slots`` (``[n]`` int64, negative = not written) now hold tokens at

@@ -65,7 +65,8 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        o = ops.tree_attention(q, k, v, kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, self.scale, kv[2])
+        o = ops.tree_attention(q, k, v, kv.k, kv.v, slots, positions, rope.cos, rope.sin, mask, self.scale, kv.pos,
+                               kv.workspace)
         return self.o_proj(o)
 
 

@@ -135,9 +135,15 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     """Fused residual add + RMSNorm; see :func:`reference.rms_norm` (shapes, dtypes, rounding).
 
     Returns ``(y, x + residual)`` (``(y, x)`` without a residual). On the "cpu" backend 2-D fp32 /
-    bf16 inputs run the C++ twin (``csrc/cpu/rms_norm.cpp``: one pass per row, batch invariant);
-    anything else, and anything that needs autograd, is the reference.
+    bf16 inputs run the C++ twin (``csrc/cpu/rms_norm.cpp``: one pass per row, batch invariant),
+    on "cuda" 2-D contiguous ones the fused kernel (``csrc/kernels/norm.cu``, one launch instead of
+    eight); anything else, and anything that needs autograd, is the reference.
     """
+    if (backend(x) == "cuda" and x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype
+            and x.shape[-1] <= 8192 and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                                               and residual.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return _cuda_module().rms_norm(x, residual, weight, eps)
     if (backend(x) == "cpu" and _cpu_twin("rms_norm") and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype == x.dtype and x.shape[-1] <= 8192
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
@@ -273,20 +279,22 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
 
 
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
-                   scale: float, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float, slot_positions: torch.Tensor | None = None, workspace=None) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see
     :func:`reference.tree_attention` for shapes, dtypes and semantics (negative slots are not
     written; fully masked rows give zeros). ``slot_positions`` (``[>= S]`` int64, the KV cache's
     record of each slot's position) lets the CPU twin order and split the keys by their true
     positions where cache slots hold keys of other positions (the pipeline modes); the PyTorch
-    path attends row by row in slot order, which is position order along every tree path."""
+    path attends row by row in slot order, which is position order along every tree path.
+    ``workspace``: the CUDA kernel's :class:`swiftspec.ops.cuda.TreeAttentionWorkspace` (the KV
+    cache's, see :class:`swiftspec.models.kv_cache.KVCache`); None: one shared per device."""
     b = backend(q)
     args = (q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_cache, v_cache, slots, positions,
             cos_table, sin_table, mask.contiguous(), float(scale))
     if b == "cpu" and _cpu_twin("tree_attention"):
         return _cpu_module().tree_attention(*args, slot_positions)
     if b == "cuda":
-        return _cuda_module().tree_attention(*args)
+        return _cuda_module().tree_attention(*args, workspace=workspace)
     return _torch_tree_attention(*args)
 
 

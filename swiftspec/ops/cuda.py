@@ -39,7 +39,7 @@ KERNELS = CSRC / "kernels"
 INCLUDE = CSRC / "include"
 LIB_NAME = "libswiftspec_cuda.so"
 BASE_ARCH = "sm_90a"
-ABI_VERSION = 1  # must match SS_ABI_VERSION in csrc/kernels/runtime.cu
+ABI_VERSION = 2  # must match SS_ABI_VERSION in csrc/kernels/runtime.cu
 
 # constants of csrc/kernels/api.h
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -49,6 +49,7 @@ MAX_RANKS = 16
 IPC_HANDLE_BYTES = 64
 ATTN_MAX_HEAD_DIM = 256
 ATTN_MAX_SPLITS = 64
+NORM_MAX_H = 8192
 
 _NVCC_TIMEOUT_S = 900
 
@@ -307,6 +308,7 @@ EXPORTS: dict[str, tuple] = {
     "ss_ll_gemm_all_reduce": (_i, [_p, _p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _i64,
                                    _i64, _p]),
     "ss_swiglu": (_i, [_p, _p, _p, _i, _i, _i, _i, _p]),
+    "ss_rms_norm": (_i, [_p, _p, _p, _p, _p, _i, _i, _f, _i, _p]),
     "ss_tree_attention_plan": (_i, [_i, _i, _i, ctypes.POINTER(_i), ctypes.POINTER(_i)]),
     "ss_tree_attention_workspace_floats": (_i64, [_i, _i, _i, _i]),
     "ss_tree_attention": (_i, [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i,
@@ -466,6 +468,44 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm in one launch (``csrc/kernels/norm.cu``; semantics of
+    reference.rms_norm, fp32 statistics; batch invariant: one block per row, fixed order).
+
+    Shapes: x and residual ``[rows, H]`` (residual may be None), weight ``[H]``; one CUDA device
+    and dtype (float32, bfloat16 or float16), contiguous; ``H <= 8192``. Returns ``(y, x +
+    residual)`` (``(y, x)`` without a residual), each ``[rows, H]``.
+
+    Raises:
+        TypeError / ValueError: bad device, dtype, shape or layout.
+        CudaKernelError: the launch failed.
+    """
+    _check_tensor("x", x, dtypes=_FLOATS, ndim=2)
+    _check_tensor("weight", weight, device=x.device, dtypes=(x.dtype,), ndim=1)
+    rows, H = x.shape
+    if weight.shape[0] != H or not 1 <= H <= NORM_MAX_H:
+        raise ValueError(f"weight must be [{H}] with 1 <= H <= {NORM_MAX_H}, got {tuple(weight.shape)}")
+    res_out = None
+    if residual is not None:
+        _check_tensor("residual", residual, device=x.device, dtypes=(x.dtype,), ndim=2)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must be {tuple(x.shape)}, got {tuple(residual.shape)}")
+        res_out = torch.empty_like(x)
+    out = torch.empty_like(x)
+    lib = load()
+    with torch.cuda.device(x.device):
+        st = lib.ss_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                             out.data_ptr(), None if res_out is None else res_out.data_ptr(), rows, H, float(eps),
+                             DTYPE_CODES[x.dtype], _stream(x.device))
+    check(st, "ss_rms_norm", lib)
+    return out, (x if res_out is None else res_out)
+
+
+# ---------------------------------------------------------------------------------------------
 # tree attention
 # ---------------------------------------------------------------------------------------------
 
@@ -475,8 +515,11 @@ class TreeAttentionWorkspace:
     The counters start at zero and every launch leaves them at zero (the last-arriving block
     resets its head's counter), so one workspace serves any number of launches and CUDA-graph
     replays, as long as launches using it do not run concurrently (one stream at a time; give
-    each concurrently used stream its own workspace). It grows on demand, but not while a CUDA
-    graph is being captured: warm up with the largest shapes before capturing.
+    each concurrently used stream its own workspace). Its first use by :func:`tree_attention`
+    reserves room for the largest launch of that head count and head dim (16 queries, 64
+    splits), so it never grows while the same model uses it and the addresses CUDA graphs
+    captured stay valid; a workspace shared by models of other shapes grows, but not while a CUDA
+    graph is being captured.
     """
 
     def __init__(self, device: torch.device):
@@ -591,7 +634,9 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 workspace = _workspaces[dev] = TreeAttentionWorkspace(dev)
         elif workspace.device != dev:
             raise ValueError(f"workspace is on {workspace.device}, expected {dev}")
-        workspace.reserve(floats, Hq)
+        # the largest launch of these heads at once: growing later would leave graphs captured
+        # before with a pointer to freed memory
+        workspace.reserve(max(floats, lib.ss_tree_attention_workspace_floats(MAX_M, Hq, D, ATTN_MAX_SPLITS)), Hq)
         st = lib.ss_tree_attention(
             q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
