@@ -88,6 +88,38 @@ def time_model(model, device: torch.device, rows: list[int], context: int, round
     return out
 
 
+def kernel_profile(model, device: torch.device, rows: int, context: int, vocab: int | None, top: int = 12) -> list[dict]:
+    """Device time per kernel of one eager forward plus LM head at ``rows`` rows (torch.profiler,
+    CUDA activity, mean over 5 forwards), heaviest first: ``{"kernel", "us_per_forward", "calls"}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kv = model.make_kv_cache(context + rows, device)
+    n_ids = min(1000, model.cfg.vocab_size)
+    with torch.no_grad():
+        ids = torch.randint(0, n_ids, (context,), device=device)
+        pos = torch.arange(context, device=device)
+        model(ids, pos, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(), kv)
+        ids = torch.randint(0, n_ids, (rows,), device=device)
+        pos = torch.full((rows,), context, device=device)
+        slots = torch.arange(context, context + rows, device=device)
+        mask = torch.zeros(rows, context + rows, dtype=torch.bool, device=device)
+        mask[:, : context + 1] = True
+        step = lambda: model.compute_logits(model(ids, pos, slots, mask, kv), vocab)  # noqa: E731
+        step()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize(device)
+    rows_out = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        t = ev.self_cuda_time_total if t is None else t
+        if t > 0:
+            rows_out.append({"kernel": ev.key[:120], "us_per_forward": t / 5, "calls": ev.count // 5})
+    return sorted(rows_out, key=lambda r: -r["us_per_forward"])[:top]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", type=Path, default=DEFAULT_MODELS, help="config.json files of the shapes")
@@ -100,6 +132,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-graphs", action="store_true", help="eager only (CPU is always eager)")
     ap.add_argument("--logits-vocab", type=int, nargs="+", default=None,
                     help="LM-head rows per model, in --models order (the draft's restriction); default all")
+    ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="ROWS",
+                    help="CUDA: also list each model's heaviest kernels at these row counts (torch.profiler)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -112,7 +146,7 @@ def main(argv=None) -> dict:
     bw = read_bandwidth(device, threads)
     print(f"{device}: read bandwidth {bw / 1e9:.1f} GB/s ({'d2d copy' if device.type == 'cuda' else 'torch.sum'})",
           flush=True)
-    results = []
+    results, profiles = [], []
     for i, config in enumerate(args.models):
         vocab = args.logits_vocab[i] if args.logits_vocab and i < len(args.logits_vocab) else None
         model = random_model(config, dtype, device, args.context + max(args.rows) + 64)
@@ -125,6 +159,13 @@ def main(argv=None) -> dict:
             graph = f"{rec['graph_s'] * 1e3:8.3f} ms graph" if "graph_s" in rec else ""
             print(f"{config.stem:32s} rows={rec['rows']:2d} {rec['eager_s'] * 1e3:8.3f} ms eager {graph}  "
                   f"limit {limit * 1e3:.3f} ms: {rec['of_limit']:.0%} of it", flush=True)
+        if device.type == "cuda":
+            for n in args.profile:
+                prof = kernel_profile(model, device, n, args.context, vocab)
+                profiles.append({"model": config.stem, "rows": n, "kernels": prof})
+                print(f"{config.stem} rows={n}: device time per forward by kernel (us)", flush=True)
+                for k in prof:
+                    print(f"  {k['us_per_forward']:9.1f}  x{k['calls']:<4d} {k['kernel'][:100]}", flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -134,7 +175,7 @@ def main(argv=None) -> dict:
               **machine_record(), "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "dtype": args.dtype, "context": args.context, "threads": threads, "bandwidth_gb_s": bw / 1e9,
-              "rows": results}
+              "rows": results, "profiles": profiles}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -7,6 +7,10 @@
 #   bash scripts/gpu_check.sh forward   # bench/device_forward.py: forward time vs the HBM limit
 #   bash scripts/gpu_check.sh e2e       # swiftspec bench on random weights, the shipped acceptance trace
 #
+# Extra arguments go to pytest (tests) or to swiftspec bench (e2e); for e2e, SYSTEMS replaces the
+# systems, NAME the output folder and log's name ($OUT/<NAME>/, default e2e), PROMPTS the prompts
+# per dataset (default 2).
+#
 # Nothing is installed: the package runs from this checkout (PYTHONPATH), gguf is not needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,15 +23,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 case "${1:-}" in
   tests)
     "$PY" -m pytest -q -rs tests/test_cuda_build.py tests/test_cuda_kernels.py tests/test_graphs.py \
-        tests/test_cuda_engine.py --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.log" ;;
+        tests/test_cuda_engine.py --junitxml "$OUT/cuda-tests.xml" --durations 15 "${@:2}" 2>&1 | tee "$OUT/cuda-tests.log" ;;
   forward)
     "$PY" bench/device_forward.py --device cuda --out "$OUT/device-forward.json" 2>&1 | tee "$OUT/forward.log" ;;
   e2e)
     # random weights of the default pair's shapes (bf16, built into $SWIFTSPEC_CACHE on first use);
     # every SwiftSpec mode replays the default pair's recorded acceptance
+    NAME=${NAME:-e2e}
+    # shellcheck disable=SC2086  # SYSTEMS is a list of words
     "$PY" -m swiftspec bench --device cuda --random-weights --num-prompts "${PROMPTS:-2}" --max-tokens 128 \
-        --systems autoregressive swiftspec-colocated swiftspec-serial hf hf-compile \
-        --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" ;;
+        --systems ${SYSTEMS:-autoregressive swiftspec-colocated swiftspec-serial hf hf-compile} \
+        --out "$OUT/$NAME" "${@:2}" 2>&1 | tee "$OUT/$NAME.log" ;;
   *)
     echo "usage: bash scripts/gpu_check.sh tests|forward|e2e" >&2; exit 2 ;;
 esac

@@ -470,7 +470,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
                                 "matches_target": None if ref is None else toks == ref,
                                 "draft_stalls": m.draft.get("stall_expansions"),
-                                "target_wait_s": m.target.get("wait_s"), **_pipeline_record(m),
+                                "target_wait_s": m.target.get("wait_s"), **_busy_record(m), **_pipeline_record(m),
                                 **({"engine": systems[s].shape} if isinstance(systems.get(s), EngineSystem) else {})})
     finally:
         for sysm in systems.values():
@@ -478,6 +478,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.record_trace:
         replay.record_trace(args, targets, target_dir, draft_dir, dtype, machine_record())
     return records
+
+
+def _busy_record(m) -> dict:
+    """Each model's forwards and busy seconds for one request (device time on CUDA, from events;
+    wall time on CPU), where the engine reports them: decode time minus the target's busy time is
+    the host's share of a step (bench/RESULTS.md, the GPU component table)."""
+    return {f"{role}_{k}": stats[k] for role, stats in (("target", m.target), ("draft", m.draft))
+            for k in ("busy_s", "forwards") if k in stats}
 
 
 def _pipeline_record(m) -> dict:
