@@ -26,12 +26,27 @@ def render(record) -> str:
 
     if isinstance(record, dict) and "records" in record:  # swiftspec bench --out, with its machine
         m = record["machine"]
-        return (f"`{record['command']}` on {m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), "
-                f"{m['cores']} cores, kernels {m['isa']}\n\n" + render(record["records"]))
+        on_gpu = any(r.get("device") == "cuda" for r in record["records"])
+        where = (f"{m.get('gpu', 'a GPU')} (host: {m['cpu']}, {m['cores']} cores)" if on_gpu else
+                 f"{m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), {m['cores']} cores, kernels {m['isa']}")
+        return f"`{record['command']}` on {where}\n\n" + render(record["records"])
     if isinstance(record, list) and record and "system" in record[0]:
         return e2e.markdown(record)
     if isinstance(record, dict) and "cases" in record:
         return kernels.summary_table(record["cases"])
+    if isinstance(record, dict) and record.get("rows") and "limit_s" in record["rows"][0]:  # bench/device_forward.py
+        lines = [f"{record.get('device_name') or record['device']}, {record['dtype']}, {record['context']} tokens in the "
+                 f"KV cache, read bandwidth {record['bandwidth_gb_s']:.1f} GB/s",
+                 "", "| model | rows | eager ms | graph ms | limit ms | of limit |", "|---|---|---|---|---|---|"]
+        for r in record["rows"]:
+            graph = f"{1e3 * r['graph_s']:.3f}" if "graph_s" in r else "-"
+            lines.append(f"| {r['model']} | {r['rows']} | {1e3 * r['eager_s']:.3f} | {graph} | {1e3 * r['limit_s']:.3f} | "
+                         f"{100 * r['of_limit']:.0f} % |")
+        for prof in record.get("profiles", []):
+            lines += ["", f"{prof['model']}, {prof['rows']} rows: device time per forward by kernel", "",
+                      "| kernel | us per forward | calls |", "|---|---|---|"]
+            lines += [f"| `{k['kernel'][:80]}` | {k['us_per_forward']:.1f} | {k['calls']} |" for k in prof["kernels"]]
+        return "\n".join(lines)
     if isinstance(record, dict) and "bandwidth_gb_s" in record:
         lines = [f"{record.get('model', 'target')} model, read bandwidth {record['bandwidth_gb_s']:.1f} GB/s, "
                  f"{record['threads']} threads",

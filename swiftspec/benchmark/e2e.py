@@ -528,7 +528,8 @@ def machine_record() -> dict:
     ``/proc/cpuinfo``), the cores this process may use, the kernel each CPU op family dispatches
     to (:func:`swiftspec.ops.cpu_dispatch`), the torch version and the ``SWIFTSPEC_*`` variables
     of the environment (switches such as ``SWIFTSPEC_QUANT_X16``, ``SWIFTSPEC_CPU_ARCH``) with
-    ``ATEN_CPU_CAPABILITY`` (torch's own kernels' ISA), and the llama.cpp build where a peer ran."""
+    ``ATEN_CPU_CAPABILITY`` (torch's own kernels' ISA), the GPU's name where torch sees one
+    (``gpu``), and the llama.cpp build where a peer ran."""
     import torch
 
     from swiftspec import ops
@@ -545,6 +546,7 @@ def machine_record() -> dict:
     return {"cpu": cpu_model_name(), "vendor": info.get("vendor_id"), "cpu_family": info.get("cpu family"),
             "cpu_model": info.get("model"), "cpu_flags": info.get("flags", "").split(),
             "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__,
+            **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
             "env": {k: v for k, v in sorted(os.environ.items())
                     if k.startswith("SWIFTSPEC_") or k == "ATEN_CPU_CAPABILITY"}, **_llama_cpp_build()}
 
