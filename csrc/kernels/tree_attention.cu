@@ -35,8 +35,9 @@ constexpr int kMaxN = SS_MAX_M;
 constexpr int kMaxD = SS_ATTN_MAX_HEAD_DIM;
 constexpr int kAccPerThread = kMaxN * kMaxD / kAttnThreads;
 constexpr int kTileRegs = kKeyTile * kMaxD / kAttnThreads;  // key (and value) elements per thread
-// fewer key tiles per split than this cost more in merging than they save; with the tile's loads
-// in flight together a tile costs about one memory latency, so short splits fill the GPU sooner
+// fewer key tiles per split than this cost more in merging than they save (a block's time grows
+// with its tiles: 4 -> 2 took the default target's attention from 108 to 66 us per layer at 513
+// keys on an H200, run 27, with the loads below)
 constexpr int kMinTilesPerSplit = 2;
 
 struct AttnParams {
@@ -154,9 +155,10 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
       srcs[tid] = src;
     }
     if (!__syncthreads_or(seen)) continue;  // uniform: every thread gets the same answer
-    // 3b. the tile's keys and values from the cache into registers, every load issued before
-    //     any is used (one memory latency per tile instead of one per element). A slot this
-    //     launch writes may be read mid-write here: its value is replaced below.
+    // 3b. the tile's keys and values from the cache into registers, all loads issued before any
+    //     is used, so they can overlap (H200, run 27: a 16-key tile still costs ~20 us per block,
+    //     bound by the serial steps below, not by these loads). A slot this launch writes may be
+    //     read mid-write here: its value is replaced below.
     float kreg[kTileRegs], vreg[kTileRegs];
 #pragma unroll
     for (int r = 0; r < kTileRegs; ++r) {

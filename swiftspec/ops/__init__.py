@@ -139,15 +139,14 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     on "cuda" 2-D contiguous ones the fused kernel (``csrc/kernels/norm.cu``, one launch instead of
     eight); anything else, and anything that needs autograd, is the reference.
     """
-    if (backend(x) == "cuda" and x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype
-            and x.shape[-1] <= 8192 and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
-                                                               and residual.is_contiguous()))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return _cuda_module().rms_norm(x, residual, weight, eps)
-    if (backend(x) == "cpu" and _cpu_twin("rms_norm") and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype == x.dtype and x.shape[-1] <= 8192
+    b = backend(x)
+    fits = (x.dim() == 2 and weight.dtype == x.dtype and x.shape[-1] <= 8192
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    if (b == "cuda" and fits and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())):
+        return _cuda_module().rms_norm(x, residual, weight, eps)
+    if b == "cpu" and fits and _cpu_twin("rms_norm") and x.dtype in (torch.float32, torch.bfloat16):
         return _cpu_module().rms_norm(x, residual, weight, float(eps))
     return reference.rms_norm(x, residual, weight, eps)
 
