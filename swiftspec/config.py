@@ -52,7 +52,7 @@ class EngineConfig:
             (:mod:`swiftspec.placement`). On CUDA the weights run dequantized in ``dtype`` (no GPU
             kernel for GGUF blocks yet), the draft unquantized; greedy tokens and the draft's
             top-k are reduced on the device (sampled requests bring logits rows to the host);
-            on one GPU auto picks "colocated".
+            on one GPU auto picks "autoregressive" (measured fastest there; see :func:`choose_mode`).
         target_devices / draft_devices: GPU indices of each group (async; one process per GPU, so
             a group's TP degree is its GPU count); serial and autoregressive use
             ``target_devices + draft_devices``. Default: the draft gets the last ⌈n/4⌉ GPUs.
@@ -209,9 +209,11 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     more than overlapping saves.
 
     On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) the CPU profile and rule do not
-    apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout), on one GPU
-    ``colocated`` (both models on it, the draft expanding while the target verifies, on CUDA
-    streams); not yet measured on hardware.
+    apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout; not yet run
+    on hardware); on one GPU ``autoregressive``, measured fastest there (run 27, an H200, the
+    default pair's shapes and recorded acceptance: ``serial`` 0.84x and ``colocated`` 0.81x of
+    ``autoregressive``, because the tree-attention kernel makes a draft forward cost 0.6x a target
+    forward); ``colocated`` and ``serial`` run when asked for.
 
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
@@ -225,7 +227,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     if gpus:
         if gpus >= 2:
             return "async", f"auto: {gpus} GPUs, a draft group and a target group", {}
-        return "colocated", "auto: one GPU, both models on it, the draft expanding during verification", {}
+        return "autoregressive", ("auto: one GPU, where serial and colocated measured 0.84x / 0.81x autoregressive "
+                                  "(the draft's forwards cost 0.6x the target's there)"), {}
     if profiled is not None and profiled.get("mode") in MODES:
         measured = profiled.get("_measured") or {}
         tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}

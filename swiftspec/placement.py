@@ -95,7 +95,7 @@ def split_gpus(n_gpus: int, target: list[int] | None, draft: list[int] | None,
         if n_gpus < 2:
             raise PlacementError(
                 f"async needs one GPU per group and this machine shows {n_gpus}; on one GPU use "
-                "mode='colocated' (both models on it, Algorithm 1 with CUDA streams; 'auto' picks it)")
+                "mode='colocated' (both models on it, Algorithm 1 with CUDA streams) or serial")
         n_draft = max(1, math.ceil(n_gpus / 4))
         return list(range(n_gpus - n_draft)), list(range(n_gpus - n_draft, n_gpus))
     if target is None or draft is None:

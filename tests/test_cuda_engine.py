@@ -95,12 +95,14 @@ def cuda_reference(tiny_dir):
         return eng.generate("hello world, this is a test", GREEDY)
 
 
-@pytest.mark.parametrize("mode", ["auto", "serial"])
+@pytest.mark.parametrize("mode", ["auto", "serial", "colocated"])
 def test_engine_on_one_gpu(tiny_dir, cuda_reference, mode):
     with Engine(tiny_dir, tiny_dir, mode=mode, dtype="float32", device="cuda", target_devices=[0]) as eng:
-        assert eng.config.mode == ("colocated" if mode == "auto" else mode)  # auto on one GPU
+        # auto on one GPU: autoregressive, measured fastest there (bench/RESULTS.md run 27)
+        assert eng.config.mode == ("autoregressive" if mode == "auto" else mode)
         out = eng.generate("hello world, this is a test", GREEDY)
-    assert out.token_ids == cuda_reference.token_ids and out.metrics.compression_ratio > 1.5
+    assert out.token_ids == cuda_reference.token_ids
+    assert out.metrics.compression_ratio > (1.5 if mode != "auto" else 0.99)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
