@@ -260,6 +260,19 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
         assert got == eng.generate("count: 5 6", params).token_ids
 
 
+def test_kernel_bench_rms_norm_cases():
+    """bench/kernels.py's rms_norm cases: our op against the PyTorch ops, every requested shape."""
+    import torch
+
+    from swiftspec.benchmark import kernels
+
+    cases = kernels.rms_norm_cases([torch.float32], [1], rounds=1, iters=1, device="cpu",
+                                   models=("qwen-0.5b (draft)",), rows=(1, 8))
+    assert [c.shape for c in cases] == ["qwen-0.5b (draft) M=1 H=896", "qwen-0.5b (draft) M=8 H=896"]
+    assert all(set(c.summary()["baselines"]) == {"PyTorch ops"} and c.summary()["speedup"]["PyTorch ops"] > 0
+               for c in cases)
+
+
 def test_kernel_bench_quant_cases():
     """bench/kernels.py's quant_linear cases: valid random blocks, every kernel this CPU runs and
     every baseline measured, GB/s from the weight bytes."""

@@ -13,6 +13,9 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
 - ``swiglu``: the fused SwiGLU vs PyTorch's best arrangement (one concatenated gate/up matmul, then
   SiLU * mul) and vs two separate matmuls, batch 1 and 8;
 - ``linear``: the skinny-GEMM linear layer (QKV, o_proj, down_proj) vs ``F.linear``;
+- ``rms_norm``: the fused residual add + RMSNorm (the C++ twin here, ``norm.cu`` on CUDA) vs the
+  PyTorch path (``reference.rms_norm``: add, upcast, square, mean, rsqrt, scale, round, weight),
+  1 / 8 / 16 rows of each model's hidden size;
 - ``quant_linear``: the quantized GEMM on GGUF blocks (the default target's Q4_K / Q6_K layers, 1-16
   rows, every kernel this CPU runs, GB/s of weights) vs the kernels-off PyTorch path and ``F.linear``
   on dequantized fp32 / bf16 weights (CPU only);
@@ -130,6 +133,27 @@ def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODEL
                     c = Case("swiglu", f"{name} TP{tp} M={m} K={hidden} I={i_local}", str(dtype)[6:], threads,
                              t.pop("ours"), t)
                     cases.append(c)
+    return cases
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------
+def rms_norm_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS), rows=(1, 8, 16)) -> list[Case]:
+    from swiftspec import ops
+    from swiftspec.ops import reference
+
+    cases = []
+    for dtype in dtypes:
+        for name in models:
+            hidden = MODELS[name][0]
+            w = torch.randn(hidden, dtype=dtype, device=device)
+            for m in rows:
+                x, res = (torch.randn(m, hidden, dtype=dtype, device=device) for _ in range(2))
+                for threads in threads_list:
+                    torch.set_num_threads(threads)
+                    fns = {"ours": lambda: ops.rms_norm(x, res, w, 1e-6),
+                           "PyTorch ops": lambda: reference.rms_norm(x, res, w, 1e-6)}
+                    t = time_interleaved(fns, rounds, iters, _sync(device))
+                    cases.append(Case("rms_norm", f"{name} M={m} H={hidden}", str(dtype)[6:], threads, t.pop("ours"), t))
     return cases
 
 
@@ -447,7 +471,7 @@ def machine() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__.splitlines()[0])
-    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "int8_linear", "quant_linear", "attention"]
+    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "rms_norm", "int8_linear", "quant_linear", "attention"]
     ap.add_argument("--ops", nargs="+", default=ops_, choices=ops_)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op threads (CPU)")
@@ -476,6 +500,8 @@ def main(argv=None) -> int:
         cases += swiglu_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models, args.rows)
     if "linear" in args.ops:
         cases += linear_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
+    if "rms_norm" in args.ops:
+        cases += rms_norm_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     if "int8_linear" in args.ops and args.device == "cpu":
         cases += int8_linear_cases(args.threads, args.rounds, args.iters, args.models)
     if "quant_linear" in args.ops and args.device == "cpu":
