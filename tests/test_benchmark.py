@@ -355,7 +355,7 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
 
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's numbers of runs 13, 15, 16, 20, 24 and 26 are those of their records."""
+    the README's numbers of runs 13, 15, 16, 20, 24, 26 and 27 are those of their records."""
     import importlib.util
     from pathlib import Path
 
@@ -412,6 +412,17 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
+    # run 27 (an H200): the README's GPU numbers are those of their records
+    tot = overall(json.loads((root / "bench" / "results" / "gpu-h200-run27c-e2e.json").read_text())["records"])
+    ar = tot["autoregressive"]
+    assert (f"`autoregressive` decodes {ar:.1f} tokens/s, `serial` {tot['swiftspec-serial']:.1f} "
+            f"({tot['swiftspec-serial'] / ar:.2f}x), `colocated` {tot['swiftspec-colocated']:.1f} "
+            f"({tot['swiftspec-colocated'] / ar:.2f}x), transformers eager {tot['hf']:.1f} and transformers with a "
+            f"static cache + `torch.compile` {tot['hf-compile']:.1f} ({tot['hf-compile'] / ar:.2f}x ours)") in text
+    fwd = json.loads((root / "bench" / "results" / "gpu-h200-run27c-device-forward.json").read_text())["rows"][0]
+    assert (fwd["rows"], fwd["model"]) == (1, "qwen2.5-coder-1.5b-instruct")
+    assert (f"takes {1e3 * fwd['graph_s']:.2f} ms at 1 row with a 512-token cache, {100 * fwd['of_limit']:.0f} % of "
+            f"the HBM limit ({1e3 * fwd['limit_s']:.2f} ms)") in text
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
 
