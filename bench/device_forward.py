@@ -59,26 +59,38 @@ def _timed(fn, device: torch.device, rounds: int) -> float:
     return statistics.median(times)
 
 
+def _prefilled_cache(model, device: torch.device, context: int, capacity: int):
+    """A KV cache of ``capacity`` slots holding ``context`` random tokens (one causal prefill)."""
+    kv = model.make_kv_cache(capacity, device)
+    ids = torch.randint(0, min(1000, model.cfg.vocab_size), (context,), device=device)
+    pos = torch.arange(context, device=device)
+    model(ids, pos, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(), kv)
+    return kv
+
+
+def _step_inputs(model, device: torch.device, n: int, context: int, capacity: int):
+    """``(ids, positions, slots, mask)`` of an ``n``-row step after ``context`` tokens: every row at
+    position ``context`` seeing the context and its own slot, the mask ``capacity`` slots wide."""
+    ids = torch.randint(0, min(1000, model.cfg.vocab_size), (n,), device=device)
+    pos = torch.full((n,), context, device=device)
+    slots = torch.arange(context, context + n, device=device)
+    mask = torch.zeros(n, capacity, dtype=torch.bool, device=device)
+    mask[:, : context + 1] = True
+    return ids, pos, slots, mask
+
+
 def time_model(model, device: torch.device, rows: list[int], context: int, rounds: int, graphs: bool,
                vocab: int | None) -> list[dict]:
     """Eager (and graph-replay) seconds of a forward plus the LM head at each row count."""
     from swiftspec.graphs import PaddedStep
 
     capacity = context + max(rows)
-    kv = model.make_kv_cache(capacity, device)
-    n_ids = min(1000, model.cfg.vocab_size)
     with torch.no_grad():
-        ids = torch.randint(0, n_ids, (context,), device=device)
-        pos = torch.arange(context, device=device)
-        model(ids, pos, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(), kv)
+        kv = _prefilled_cache(model, device, context, capacity)
         step = PaddedStep(lambda i, p, s, m: model(i, p, s, m, kv), rows, capacity, device, use_graphs=graphs)
         out = []
         for n in rows:
-            ids = torch.randint(0, n_ids, (n,), device=device)
-            pos = torch.full((n,), context, device=device)
-            slots = torch.arange(context, context + n, device=device)
-            mask = torch.zeros(n, capacity, dtype=torch.bool, device=device)
-            mask[:, : context + 1] = True
+            ids, pos, slots, mask = _step_inputs(model, device, n, context, capacity)
             eager = _timed(lambda: model.compute_logits(model(ids, pos, slots, mask, kv), vocab), device, rounds)
             rec = {"rows": n, "eager_s": eager}
             if graphs:
@@ -93,17 +105,9 @@ def kernel_profile(model, device: torch.device, rows: int, context: int, vocab: 
     CUDA activity, mean over 5 forwards), heaviest first: ``{"kernel", "us_per_forward", "calls"}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    kv = model.make_kv_cache(context + rows, device)
-    n_ids = min(1000, model.cfg.vocab_size)
     with torch.no_grad():
-        ids = torch.randint(0, n_ids, (context,), device=device)
-        pos = torch.arange(context, device=device)
-        model(ids, pos, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(), kv)
-        ids = torch.randint(0, n_ids, (rows,), device=device)
-        pos = torch.full((rows,), context, device=device)
-        slots = torch.arange(context, context + rows, device=device)
-        mask = torch.zeros(rows, context + rows, dtype=torch.bool, device=device)
-        mask[:, : context + 1] = True
+        kv = _prefilled_cache(model, device, context, context + rows)
+        ids, pos, slots, mask = _step_inputs(model, device, rows, context, context + rows)
         step = lambda: model.compute_logits(model(ids, pos, slots, mask, kv), vocab)  # noqa: E731
         step()
         torch.cuda.synchronize(device)
@@ -111,13 +115,9 @@ def kernel_profile(model, device: torch.device, rows: int, context: int, vocab: 
             for _ in range(5):
                 step()
             torch.cuda.synchronize(device)
-    rows_out = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", None)
-        t = ev.self_cuda_time_total if t is None else t
-        if t > 0:
-            rows_out.append({"kernel": ev.key[:120], "us_per_forward": t / 5, "calls": ev.count // 5})
-    return sorted(rows_out, key=lambda r: -r["us_per_forward"])[:top]
+    out = [{"kernel": ev.key[:120], "us_per_forward": ev.self_device_time_total / 5, "calls": ev.count // 5}
+           for ev in prof.key_averages() if ev.self_device_time_total > 0]
+    return sorted(out, key=lambda r: -r["us_per_forward"])[:top]
 
 
 def main(argv=None) -> dict:

@@ -548,6 +548,12 @@ class TreeAttentionWorkspace:
 _workspaces: dict[torch.device, TreeAttentionWorkspace] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _max_workspace_floats(Hq: int, D: int) -> int:
+    """Partial floats of the largest tree-attention launch of ``Hq`` heads of dim ``D``."""
+    return load().ss_tree_attention_workspace_floats(MAX_M, Hq, D, ATTN_MAX_SPLITS)
+
+
 def tree_attention_plan(S: int, Hq: int, num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, keys_per_split)`` of the split-KV launch for S keys and Hq query heads on
     the current device (``num_splits`` forces a count, clamped to [1, 64] and the key tiles)."""
@@ -627,16 +633,15 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     lib = load()
     with torch.cuda.device(dev):
         splits, kps = tree_attention_plan(S, Hq, num_splits)
-        floats = lib.ss_tree_attention_workspace_floats(n, Hq, D, splits)
         if workspace is None:
             workspace = _workspaces.get(dev)
             if workspace is None:
                 workspace = _workspaces[dev] = TreeAttentionWorkspace(dev)
         elif workspace.device != dev:
             raise ValueError(f"workspace is on {workspace.device}, expected {dev}")
-        # the largest launch of these heads at once: growing later would leave graphs captured
-        # before with a pointer to freed memory
-        workspace.reserve(max(floats, lib.ss_tree_attention_workspace_floats(MAX_M, Hq, D, ATTN_MAX_SPLITS)), Hq)
+        # room for the largest launch of these heads (any n <= 16, any split count) at once:
+        # growing later would leave graphs captured before with a pointer to freed memory
+        workspace.reserve(_max_workspace_floats(Hq, D), Hq)
         st = lib.ss_tree_attention(
             q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
