@@ -409,3 +409,53 @@ def test_rms_norm_bad_input(ops):
         ops.rms_norm(x.double(), None, w.double(), 1e-6)
     with pytest.raises(RuntimeError, match=r"\[M, H\]"):
         ops.rms_norm(torch.randn(8), None, w, 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up after the quantized GEMM
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,I", [(1, 8960), (3, 37), (16, 16), (40, 4864), (2, 1)])
+def test_silu_mul_matches_reference(ops, dtype, M, I):
+    g = torch.Generator().manual_seed(M * I)
+    gu = torch.randn(M, 2 * I, generator=g) * 4
+    gu[0, : min(I, 4)] = torch.tensor([0.0, -30.0, 30.0, -100.0])[: min(I, 4)]  # saturating gates
+    want = reference.silu_and_mul(gu, dtype)  # fp32 SiLU * up, then one rounding to dtype
+    impls = ops._silu_mul_impls()
+    assert impls[0] == "scalar"
+    for impl in ["auto", *impls]:
+        got = ops._silu_mul_impl(gu, dtype, impl)
+        assert got.dtype == dtype and got.shape == (M, I), impl
+        tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=impl)
+        # batch invariance: a row alone gives the same bits as in the batch
+        for i in (0, M - 1):
+            assert torch.equal(ops._silu_mul_impl(gu[i:i + 1], dtype, impl)[0], got[i]), impl
+        if dtype == torch.bfloat16:  # one rounding of the fp32 result, by PyTorch's rule
+            assert torch.equal(got, ops._silu_mul_impl(gu, torch.float32, impl).to(dtype)), impl
+    assert torch.equal(ops.silu_mul(gu, dtype), ops._silu_mul_impl(gu, dtype, impls[-1]))
+
+
+def test_silu_mul_propagates_nan_and_takes_strided_input(ops):
+    gu = torch.randn(4, 34)
+    gu[1, 3] = gu[2, 33] = float("nan")  # a gate in a full vector, an up in the tail
+    for impl in ops._silu_mul_impls():
+        for dtype in (torch.float32, torch.bfloat16):
+            y = ops._silu_mul_impl(gu, dtype, impl)
+            assert torch.isnan(y[1, 3]) and torch.isnan(y[2, 16]) and not torch.isnan(y[0]).any(), impl
+    wide = torch.randn(3, 50)
+    torch.testing.assert_close(ops.silu_mul(wide[:, 4:38], torch.float32),
+                               reference.silu_and_mul(wide[:, 4:38]), rtol=2e-6, atol=1e-6)
+
+
+def test_silu_mul_bad_input(ops):
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_mul(torch.randn(2, 8).to(torch.bfloat16), torch.float32)
+    with pytest.raises(RuntimeError, match="even"):
+        ops.silu_mul(torch.randn(2, 7), torch.float32)
+    with pytest.raises(RuntimeError, match=r"\[M, 2\*I\]"):
+        ops.silu_mul(torch.randn(8), torch.float32)
+    with pytest.raises(RuntimeError, match="output dtype"):
+        ops.silu_mul(torch.randn(2, 8), torch.float16)
+    with pytest.raises(RuntimeError, match="unknown impl"):
+        ops._silu_mul_impl(torch.randn(2, 8), torch.float32, "nope")

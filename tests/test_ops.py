@@ -57,6 +57,31 @@ def test_backends_agree_with_the_reference():
     assert torch.allclose(outs[False], outs[True], atol=1e-5)
 
 
+def test_silu_and_mul_takes_the_twin_only_where_it_fits():
+    """ops.silu_and_mul runs the C++ twin for 2-D float32 gate | up sums with the kernels on (its
+    bits), and the reference otherwise: kernels off, bf16 input, 3-D input; the results agree."""
+    m = cpu.load()
+    gu = torch.randn(3, 2 * 40) * 3
+    if m._silu_mul_impls()[-1] == "scalar":  # a build without AVX2: ATen's ops, never the scalar loop
+        assert ops.cpu_dispatch()["silu_mul"] == "torch"
+        pytest.skip("no SIMD silu_mul loop in this build")
+    assert ops.cpu_dispatch()["silu_mul"] == m._silu_mul_impls()[-1]
+    for dtype in (torch.float32, torch.bfloat16):
+        on = ops.silu_and_mul(gu, dtype)
+        assert on.dtype == dtype and torch.equal(on, m.silu_mul(gu, dtype))
+        ops.set_kernels(False)
+        try:
+            off = ops.silu_and_mul(gu, dtype)
+        finally:
+            ops.set_kernels(True)
+        assert torch.equal(off, reference.silu_and_mul(gu, dtype))
+        torch.testing.assert_close(on.float(), off.float(), rtol=8e-3 if dtype == torch.bfloat16 else 2e-6,
+                                   atol=1e-5)
+    b = gu.to(torch.bfloat16)
+    assert torch.equal(ops.silu_and_mul(b), reference.silu_and_mul(b))  # bf16 sums: the reference, in bf16
+    assert torch.equal(ops.silu_and_mul(gu[None]), reference.silu_and_mul(gu[None]))
+
+
 def test_load_survives_a_stale_torch_build_lock():
     """A process killed inside torch's cpp_extension.load leaves its lock file; loading must not
     wait for it forever."""

@@ -19,6 +19,11 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& 
 std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 
+// swiglu.cpp: SiLU(gate) * up of a [M, 2I] fp32 gate | up matrix, [M, I] in out_dtype (fp32/bf16); and
+// whether that runs a SIMD loop (false: only the scalar test loop is compiled, and callers use ATen)
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up, at::ScalarType out_dtype);
+bool silu_mul_simd();
+
 // tree_attention.cpp: RoPE + KV write + masked attention, [n, Hq * D] in q's dtype
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
                               at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,

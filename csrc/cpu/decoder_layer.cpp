@@ -7,11 +7,13 @@
 //   o        = tree_attention(q, k, v, ...)           (tree_attention.cpp: RoPE, KV write, attention)
 //   h2, res2 = rms_norm(dtype(quant_linear(o, Wo)), res, ln2)
 //   gu       = quant_linear(h2, Wgate_up)             (fp32)
-//   out      = dtype(quant_linear(dtype(silu(gate) * up), Wdown))
+//   out      = dtype(quant_linear(silu_mul(gu), Wdown)) (swiglu.cpp: dtype(silu(gate) * up) in one pass;
+//                                                       ATen's silu, multiply and cast where no SIMD loop
+//                                                       is compiled, as ops.silu_and_mul decides)
 //
 // What it saves is the interpreter: at one or a few rows a layer's kernels take ~2 ms on a 1.5B
 // model and the Python module calls, views, casts and argument checks around them ~0.5 ms more.
-// The glue (bias add, casts, SiLU, multiply) is ATen's, the same kernels PyTorch runs.
+// The other glue (bias add, casts) is ATen's, the same kernels PyTorch runs.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -83,7 +85,8 @@ class NativeDecoderLayer {
     auto [h2, res2] = rms_norm_cpu(o, res, ln2_, eps_);
     const at::Tensor gu = quant_linear_cpu(h2, gate_up_.parts, gate_up_.types);
     const int64_t inter = gu.size(1) / 2;
-    const at::Tensor act = (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).to(dtype);
+    const at::Tensor act = silu_mul_simd() ? silu_mul_cpu(gu, dtype)
+                                           : (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).to(dtype);
     return {quant_linear_cpu(act, down_.parts, down_.types).to(dtype), res2};
   }
 

@@ -7,16 +7,25 @@
 // column n, gate row n and up row n are read once, side by side, and dotted with all M rows of x;
 // the epilogue turns a column tile of gate/up sums into SiLU(gate) * up. For M > 16 (prefill) the
 // weights are reused enough that a GEMM library wins, so we fall back to at::mm.
+//
+// silu_mul is the activation alone, for the layers whose gate/up projection is another kernel (the
+// quantized GEMM on GGUF blocks writes [M, 2I] fp32 gate | up sums): SiLU(gate) * up in one pass,
+// rounded once to the output dtype, where PyTorch reads the strided gate half for SiLU, multiplies
+// in a second pass and casts in a third.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "skinny_gemm.h"
+#include "vec_math.h"
 
 namespace swiftspec {
 namespace {
@@ -124,7 +133,156 @@ at::Tensor swiglu_with_impl(const at::Tensor& x, const at::Tensor& w_gate_up, co
   return swiglu_impl(x, w_gate_up, skinny::impl_from_name(name, x.scalar_type() == at::kBFloat16, "swiglu"));
 }
 
+// ---- silu_mul ---------------------------------------------------------------------------------
+// out[m, c] = g / (1 + exp(-g)) * u with g = gu[m, c], u = gu[m, I + c], in fp32, one rounding to
+// the output dtype. Elementwise with every element through the same instructions (the SIMD loops
+// take a row's tail through masked or padded lanes), so a row's result does not depend on the
+// other rows or the thread count (batch invariance). exp: vec_math.h (degree-7 polynomial,
+// < 6e-9 relative); the scalar loop uses std::exp (a test reference, never dispatched).
+enum class SiluMul { kScalar, kAvx2, kAvx512 };
+
+std::vector<std::string> silu_mul_impls() {
+  std::vector<std::string> r{"scalar"};
+#if defined(__AVX2__) && defined(__FMA__)
+  r.emplace_back("avx2");
+#endif
+#ifdef SWIFTSPEC_SKINNY_AVX512
+  r.emplace_back("avx512");
+#endif
+  return r;
+}
+
+SiluMul silu_mul_from_name(const std::string& name) {
+  const std::vector<std::string> have = silu_mul_impls();
+  const std::string pick = name == "auto" ? have.back() : name;
+  TORCH_CHECK(std::find(have.begin(), have.end(), pick) != have.end(), "silu_mul: unknown impl '", name,
+              "' (this build has: ", c10::Join(", ", have), ")");
+  return pick == "avx512" ? SiluMul::kAvx512 : (pick == "avx2" ? SiluMul::kAvx2 : SiluMul::kScalar);
+}
+
+void silu_mul_row_scalar(const float* g, const float* u, int64_t n, float* of, uint16_t* ob) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float y = g[c] / (1.f + std::exp(-g[c])) * u[c];
+    if (ob != nullptr)
+      ob[c] = vec::float_to_bf16_bits(y);
+    else
+      of[c] = y;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// fp32 -> bf16 bits for 8 lanes: round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule, as
+// skinny::float_to_bf16_avx512)
+inline __m128i float_to_bf16_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // 32 -> 16 bits (every value fits): packus works per 128-bit half, so gather the halves' low words
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), vec::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+  return _mm256_mul_ps(_mm256_div_ps(g, den), u);
+}
+
+void silu_mul_row_avx2(const float* g, const float* u, int64_t n, float* of, uint16_t* ob) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 y = silu_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c));
+    if (ob != nullptr)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + c), float_to_bf16_avx2(y));
+    else
+      _mm256_storeu_ps(of + c, y);
+  }
+  if (c == n) return;
+  // the tail through zero-padded lanes: the same instructions as a full vector
+  alignas(32) float gt[8] = {}, ut[8] = {}, yt[8];
+  alignas(16) uint16_t bt[8];
+  const int64_t k = n - c;
+  for (int64_t i = 0; i < k; ++i) gt[i] = g[c + i], ut[i] = u[c + i];
+  const __m256 y = silu_mul8(_mm256_load_ps(gt), _mm256_load_ps(ut));
+  _mm256_store_ps(yt, y);
+  _mm_store_si128(reinterpret_cast<__m128i*>(bt), float_to_bf16_avx2(y));
+  for (int64_t i = 0; i < k; ++i) {
+    if (ob != nullptr)
+      ob[c + i] = bt[i];
+    else
+      of[c + i] = yt[i];
+  }
+}
+#endif
+
+#ifdef SWIFTSPEC_SKINNY_AVX512
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), vec::exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  return _mm512_mul_ps(_mm512_div_ps(g, den), u);
+}
+
+void silu_mul_row_avx512(const float* g, const float* u, int64_t n, float* of, uint16_t* ob) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {  // whole vectors unmasked, the tail through a masked one
+    const __m512 y = silu_mul16(_mm512_loadu_ps(g + c), _mm512_loadu_ps(u + c));
+    if (ob != nullptr)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + c), skinny::float_to_bf16_avx512(y));
+    else
+      _mm512_storeu_ps(of + c, y);
+  }
+  if (c < n) {
+    const __mmask16 k = skinny::tail_mask16(n - c);
+    const __m512 y = silu_mul16(_mm512_maskz_loadu_ps(k, g + c), _mm512_maskz_loadu_ps(k, u + c));
+    if (ob != nullptr)
+      _mm256_mask_storeu_epi16(ob + c, k, skinny::float_to_bf16_avx512(y));
+    else
+      _mm512_mask_storeu_ps(of + c, k, y);
+  }
+}
+#endif
+
+at::Tensor silu_mul_impl(const at::Tensor& gu_in, at::ScalarType out_dtype, SiluMul impl) {
+  TORCH_CHECK(gu_in.device().is_cpu(), "silu_mul: gate_up must be a CPU tensor");
+  TORCH_CHECK(gu_in.dim() == 2, "silu_mul: gate_up must be [M, 2*I], got ", gu_in.sizes());
+  TORCH_CHECK(gu_in.scalar_type() == at::kFloat, "silu_mul: gate_up must be float32, got ", gu_in.scalar_type());
+  TORCH_CHECK(gu_in.size(1) % 2 == 0, "silu_mul: gate_up's last dimension must be even (gate then up), got ",
+              gu_in.size(1));
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "silu_mul: the output dtype must be float32 or bfloat16, got ", out_dtype);
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({M, I}, gu.options().dtype(out_dtype));
+  if (M == 0 || I == 0) return out;
+  const float* src = gu.data_ptr<float>();
+  const bool bf16 = out_dtype == at::kBFloat16;
+  auto* of = bf16 ? nullptr : out.data_ptr<float>();
+  auto* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  // a thread takes whole rows, at least ~32k elements of them (a decode step's row stays on one)
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / I), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const float* g = src + m * 2 * I;
+      float* ofr = of != nullptr ? of + m * I : nullptr;
+      uint16_t* obr = ob != nullptr ? ob + m * I : nullptr;
+      switch (impl) {
+#ifdef SWIFTSPEC_SKINNY_AVX512
+        case SiluMul::kAvx512: silu_mul_row_avx512(g, g + I, I, ofr, obr); break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        case SiluMul::kAvx2: silu_mul_row_avx2(g, g + I, I, ofr, obr); break;
+#endif
+        default: silu_mul_row_scalar(g, g + I, I, ofr, obr);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
+
+bool silu_mul_simd() { return silu_mul_impls().back() != "scalar"; }
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up, at::ScalarType out_dtype) {
+  return silu_mul_impl(gate_up, out_dtype, silu_mul_from_name("auto"));
+}
 
 void register_swiglu(pybind11::module_& m) {
   namespace py = pybind11;
@@ -144,6 +302,26 @@ dtypes or K, or an odd number of weight rows.)doc",
         py::call_guard<py::gil_scoped_release>());
   m.def("_swiglu_impls", &skinny::compiled_impls,
         "Test hook: names of the swiglu inner kernels compiled in this build.");
+  m.def("silu_mul", [](const at::Tensor& gate_up, at::ScalarType dtype) { return silu_mul_cpu(gate_up, dtype); },
+        py::arg("gate_up"), py::arg("dtype"),
+        R"doc(SiLU(gate) * up over a merged projection, the CPU twin of reference.silu_and_mul.
+
+gate_up: [M, 2*I] float32 (gate columns 0..I-1, then up); dtype: torch.float32 or torch.bfloat16.
+Returns [M, I] in dtype: computed in fp32 (exp: a degree-7 polynomial, < 6e-9 relative), one
+rounding; one pass, rows split over at::parallel_for; batch invariant. Runs the widest SIMD loop
+compiled (_silu_mul_impls()). Releases the GIL. Raises RuntimeError on a non-CPU or non-float32
+input, a rank other than 2, an odd last dimension or another output dtype.)doc",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_silu_mul_impl",
+        [](const at::Tensor& gate_up, at::ScalarType dtype, const std::string& impl) {
+          return silu_mul_impl(gate_up, dtype, silu_mul_from_name(impl));
+        },
+        py::arg("gate_up"), py::arg("dtype"), py::arg("impl"),
+        "Test hook: silu_mul with a forced loop ('auto' or one of _silu_mul_impls()). Raises RuntimeError for "
+        "an impl not compiled in this build.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_silu_mul_impls", &silu_mul_impls,
+        "Test hook: the silu_mul loops compiled in this build, widest last ('scalar', then 'avx2', 'avx512').");
 }
 
 }  // namespace swiftspec

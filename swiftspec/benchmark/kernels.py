@@ -16,6 +16,9 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
 - ``rms_norm``: the fused residual add + RMSNorm (the C++ twin here, ``norm.cu`` on CUDA) vs the
   PyTorch path (``reference.rms_norm``: add, upcast, square, mean, rsqrt, scale, round, weight),
   1 / 8 / 16 rows of each model's hidden size;
+- ``silu_mul``: SwiGLU's activation after the quantized GEMM (``ops.silu_and_mul`` on the fp32
+  ``[M, 2I]`` gate | up sums, result in fp32 / bf16) vs the PyTorch path (SiLU of the strided gate
+  half, multiply, cast), 1 / 8 / 16 / 512 rows of each model's intermediate size (CPU only);
 - ``quant_linear``: the quantized GEMM on GGUF blocks (the default target's Q4_K / Q6_K layers, 1-16
   rows, every kernel this CPU runs, GB/s of weights) vs the kernels-off PyTorch path and ``F.linear``
   on dequantized fp32 / bf16 weights (CPU only);
@@ -154,6 +157,26 @@ def rms_norm_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MOD
                            "PyTorch ops": lambda: reference.rms_norm(x, res, w, 1e-6)}
                     t = time_interleaved(fns, rounds, iters, _sync(device))
                     cases.append(Case("rms_norm", f"{name} M={m} H={hidden}", str(dtype)[6:], threads, t.pop("ours"), t))
+    return cases
+
+
+def silu_mul_cases(dtypes, threads_list, rounds, iters, models=tuple(MODELS), rows=(1, 8, 16, 512)) -> list[Case]:
+    from swiftspec import ops
+    from swiftspec.ops import reference
+
+    cases = []
+    for dtype in dtypes:
+        for name in models:
+            inter = MODELS[name][1]
+            for m in rows:
+                gu = torch.randn(m, 2 * inter)
+                for threads in threads_list:
+                    torch.set_num_threads(threads)
+                    fns = {"ours": lambda: ops.silu_and_mul(gu, dtype),
+                           "PyTorch ops": lambda: reference.silu_and_mul(gu, dtype)}
+                    t = time_interleaved(fns, rounds, iters, _sync("cpu"))
+                    cases.append(Case("silu_mul", f"{name} M={m} I={inter}", str(dtype)[6:], threads,
+                                      t.pop("ours"), t))
     return cases
 
 
@@ -471,7 +494,8 @@ def machine() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__.splitlines()[0])
-    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "rms_norm", "int8_linear", "quant_linear", "attention"]
+    ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "rms_norm", "silu_mul", "int8_linear", "quant_linear",
+            "attention"]
     ap.add_argument("--ops", nargs="+", default=ops_, choices=ops_)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op threads (CPU)")
@@ -502,6 +526,8 @@ def main(argv=None) -> int:
         cases += linear_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
     if "rms_norm" in args.ops:
         cases += rms_norm_cases(dtypes, args.threads, args.rounds, args.iters, args.device, args.models)
+    if "silu_mul" in args.ops and args.device == "cpu":
+        cases += silu_mul_cases(dtypes, args.threads, args.rounds, args.iters, args.models)
     if "int8_linear" in args.ops and args.device == "cpu":
         cases += int8_linear_cases(args.threads, args.rounds, args.iters, args.models)
     if "quant_linear" in args.ops and args.device == "cpu":

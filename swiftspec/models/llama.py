@@ -20,7 +20,6 @@ from torch import nn
 
 from swiftspec import ops
 from swiftspec.ops import quant
-from swiftspec.layers.activation import silu_and_mul
 from swiftspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from swiftspec.layers.gguf import SHARD_PART, GGUFWeight
 from swiftspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -83,11 +82,11 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj
         if gate_up.native is not None:  # fp32 sums, SiLU * up in fp32, one rounding
-            return self.down_proj(silu_and_mul(gate_up.native.matmul(x)).to(x.dtype))
+            return self.down_proj(ops.silu_and_mul(gate_up.native.matmul(x), x.dtype))
         w = getattr(gate_up, "weight", None)  # None once quantized to int8
         if w is not None and gate_up.bias is None:
             return self.down_proj(ops.swiglu(x, w))
-        return self.down_proj(silu_and_mul(gate_up(x)))  # int8 weights: quantized matmul, then SwiGLU
+        return self.down_proj(ops.silu_and_mul(gate_up(x)))  # int8 weights: quantized matmul, then SwiGLU
 
 
 class DecoderLayer(nn.Module):

@@ -59,7 +59,7 @@ def _cuda_module():
         return None
 
 
-CPU_FAMILIES = ("quant_gemm", "skinny_gemm", "tree_attention", "rms_norm")
+CPU_FAMILIES = ("quant_gemm", "skinny_gemm", "tree_attention", "rms_norm", "silu_mul")
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,16 +73,20 @@ def cpu_dispatch() -> dict[str, str]:
     "scalar", picked at run time from cpuid; the scalar loop only where no SIMD one exists;
     :func:`set_quant_gemm` overrides), ``skinny_gemm``
     (float/int8 weights: "avx512_bf16", "avx512" or "torch"), ``tree_attention`` ("avx512", "avx2"
-    or "torch") and ``rms_norm`` ("cpp": portable C++ the compiler vectorizes). Recorded in the
-    engine's metrics and the benchmark records. All "torch" when the extension is unavailable.
+    or "torch"), ``rms_norm`` ("cpp": portable C++ the compiler vectorizes) and ``silu_mul``
+    (SwiGLU's activation after the quantized GEMM: "avx512", "avx2" or "torch", the widest loop the
+    extension was built with). Recorded in the engine's metrics and the benchmark records. All
+    "torch" when the extension is unavailable.
     """
     m = _cpu_module()
     if m is None:
         return {k: "torch" for k in CPU_FAMILIES}
     gemm = [i for i in m._linear_impls() if i != "scalar"]
     attn = [i for i in m._tree_attention_impls() if i != "scalar"]
+    act = m._silu_mul_impls()[-1]
     return {"quant_gemm": m.quant_impls()[0], "skinny_gemm": gemm[-1] if gemm else "torch",
-            "tree_attention": attn[-1] if attn else "torch", "rms_norm": "cpp"}
+            "tree_attention": attn[-1] if attn else "torch", "rms_norm": "cpp",
+            "silu_mul": act if act != "scalar" else "torch"}
 
 
 def set_quant_gemm(impl: str) -> None:
@@ -149,6 +153,23 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     if b == "cpu" and fits and _cpu_twin("rms_norm") and x.dtype in (torch.float32, torch.bfloat16):
         return _cpu_module().rms_norm(x, residual, weight, float(eps))
     return reference.rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SwiGLU's activation over a merged ``[gate | up]`` projection; see :func:`reference.silu_and_mul`.
+
+    ``gate_up [M, 2I]`` -> ``[M, I]`` in ``dtype`` (None: gate_up's). On the "cpu" backend a 2-D
+    float32 input (the quantized GEMM's output) with a float32 / bfloat16 result runs the C++ twin
+    (``csrc/cpu/swiglu.cpp`` ``silu_mul``: one pass, computed in fp32, one rounding, batch
+    invariant) where the extension has a SIMD loop for it (``cpu_dispatch()["silu_mul"]``);
+    anything else, and anything that needs autograd, is the reference.
+    """
+    out = gate_up.dtype if dtype is None else dtype
+    if (backend(gate_up) == "cpu" and _cpu_twin("silu_mul") and gate_up.dim() == 2
+            and gate_up.dtype == torch.float32 and out in (torch.float32, torch.bfloat16)
+            and not (torch.is_grad_enabled() and gate_up.requires_grad)):
+        return _cpu_module().silu_mul(gate_up, out)
+    return reference.silu_and_mul(gate_up, dtype)
 
 
 # Rows up to which the CPU twin's weight-streaming kernel runs (csrc/cpu/skinny_gemm.h kMaxRows);

@@ -20,6 +20,15 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SwiGLU's activation over a merged projection: ``[..., 2I] -> [..., I]``, ``SiLU(gate) * up``
+    with ``gate_up = [gate | up]`` on the last dim, in gate_up's dtype, then cast to ``dtype``
+    (None: kept)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = F.silu(gate) * up
+    return y if dtype is None else y.to(dtype)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Linear layer ``x @ w.T (+ bias)``: exactly ``F.linear``.
 
