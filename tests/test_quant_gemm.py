@@ -112,6 +112,27 @@ def test_rows_are_batch_and_thread_invariant(t):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("t", [Q.Q5_0, Q.Q4_K], ids=_name)
+def test_prefill_batches_equal_rows_alone(t):
+    """A prefill-sized batch (its activations quantized by several threads, row ranges split
+    among them) gives each row the bits of that row alone on one thread."""
+    m = _module()
+    k = 2048
+    w = random_blocks(t, 48, k)
+    x = torch.randn(97, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([m.quant_linear(x[i:i + 1], [w], [int(t)]) for i in range(len(x))])
+        acts = [torch.cat(a) for a in zip(*(m.quant_activations(x[i:i + 1], int(t), "auto") for i in range(len(x))))]
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(m.quant_linear(x, [w], [int(t)]), alone)
+        for got, want in zip(m.quant_activations(x, int(t), "auto"), acts):
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_parts_of_mixed_types_equal_separate_calls():
     m = _module()
     k = 512

@@ -128,7 +128,9 @@ struct QuantX {
   at::Tensor xq, xd, xs, xs32;
 };
 
-// x's rows quantized by `fn` (one of quantize_scalar / _avx2 / _avx512, quant_blocks.h).
+// x's rows quantized by `fn` (one of quantize_scalar / _avx2 / _avx512, quant_blocks.h); a row's
+// result depends on that row alone, so prefills (many rows) split them over the threads, at least
+// ~64k values each (a decode step stays on one thread).
 QuantX quantize(const at::Tensor& x, int qk, QuantFn fn) {
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -137,8 +139,12 @@ QuantX quantize(const at::Tensor& x, int qk, QuantFn fn) {
   o.xd = at::empty({M, K / qk}, x.options().dtype(at::kFloat));
   o.xs = at::empty({M, qk == 256 ? K / 16 : 0}, x.options().dtype(at::kShort));
   o.xs32 = at::empty({M, K / 32}, x.options().dtype(at::kShort));
-  fn(xf.data_ptr<float>(), M, K, qk, o.xq.data_ptr<int8_t>(), o.xd.data_ptr<float>(), o.xs.data_ptr<int16_t>(),
-     o.xs32.data_ptr<int16_t>());
+  const int64_t s16 = qk == 256 ? K / 16 : 0;
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    fn(xf.data_ptr<float>() + b * K, e - b, K, qk, o.xq.data_ptr<int8_t>() + b * K,
+       o.xd.data_ptr<float>() + b * (K / qk), o.xs.data_ptr<int16_t>() + b * s16,
+       o.xs32.data_ptr<int16_t>() + b * (K / 32));
+  });
   return o;
 }
 
