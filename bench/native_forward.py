@@ -13,6 +13,10 @@ quantized-GEMM kernel (default: the one dispatch picks), side by side.
 
     python bench/native_forward.py --threads 2 --out bench/results/native-forward-avx2.json
     python bench/native_forward.py --model draft --threads 2 --out bench/results/native-forward-draft-avx2.json
+    python bench/native_forward.py --only-dispatched --dtype bfloat16 --prefill 128 512 --out r.json
+
+``--prefill N ...`` also times prompts of N tokens through the dispatched native path (a request's
+time to first token, less tokenization), recorded under "prefill".
 """
 from __future__ import annotations
 
@@ -42,6 +46,20 @@ def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> flo
     return best
 
 
+def time_prefill(model, n: int, rounds: int) -> float:
+    """Best time of a prefill of ``n`` tokens into an empty KV cache, with the LM head of its last row
+    (a request's time to first token, less tokenization and sampling)."""
+    kv = model.make_kv_cache(n + 16)
+    ids, pos = torch.randint(0, 1000, (n,)), torch.arange(n)
+    mask = torch.ones(n, n + 16, dtype=torch.bool).tril()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        model.compute_logits(model(ids, pos, pos.clone(), mask, kv)[-1:])
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def main() -> None:
     from swiftspec import ops
     from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
@@ -54,6 +72,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quant-gemm", nargs="+", metavar="IMPL",
                     help="quantized-GEMM kernels to time the interleaved layout with (ops.set_quant_gemm)")
+    ap.add_argument("--prefill", nargs="+", type=int, default=[], metavar="TOKENS",
+                    help="also time prefills of these prompt lengths (best of 3), native weights, kernels on")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
+    ap.add_argument("--only-dispatched", action="store_true",
+                    help="time the dispatched kernel's layout only (no plain layout, kernels off or float32 rows)")
     ap.add_argument("--out")
     args = ap.parse_args()
     path = fetch_default_pair(progress=False)[0 if args.model == "target" else 1]
@@ -62,14 +85,18 @@ def main() -> None:
     rows_out = []
     default_impl = ops.cpu_dispatch()["quant_gemm"]
     configs = [("native", True, "x8", impl) for impl in (args.quant_gemm or [default_impl])]
-    configs += [("native", True, "plain", default_impl), ("native", False, "plain", "-"), ("float32", True, "-", "-")]
+    if not args.only_dispatched:
+        configs += [("native", True, "plain", default_impl), ("native", False, "plain", "-"),
+                    ("float32", True, "-", "-")]
+    dtype = getattr(torch, args.dtype)
+    prefills = []
     for weights, kernels, layout, impl in configs:
         ops.set_kernels(kernels)
         ops.set_quant_x8(layout == "x8")
         ops.set_quant_gemm(impl if impl != "-" else default_impl)
         if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
             layout = f"x{ops.quant_interleave_rows()}"
-        model = load_model(path, dtype=torch.float32, max_positions=512, weights=weights)
+        model = load_model(path, dtype=dtype, max_positions=max(512, *args.prefill, 0) + 16, weights=weights)
         nbytes = weight_read_bytes(model, vocab)
         for rows in (1, 2, 4, 8):
             t = time_forward(model, rows, args.rounds, vocab)
@@ -79,17 +106,24 @@ def main() -> None:
             print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} {impl:15s} rows={rows:2d} "
                   f"{t * 1e3:8.1f} ms {nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / bw:5.0%} of {bw / 1e9:.1f} GB/s",
                   flush=True)
+        if weights == "native" and kernels and layout != "plain" and impl == default_impl:
+            for n in args.prefill:
+                t = time_prefill(model, n, 3)
+                prefills.append({"tokens": n, "ms": t * 1e3, "tokens_per_s": n / t})
+                print(f"prefill {n:5d} tokens {t * 1e3:8.1f} ms {n / t:7.1f} tokens/s", flush=True)
         del model
     ops.set_quant_gemm(default_impl)
     ops.set_kernels(True)
     ops.set_quant_x8(True)
-    argv = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+    argv = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else " " + (" ".join(map(str, v))
+                                                                         if isinstance(v, list) else str(v)))
                     for k, v in vars(args).items() if v)
     from swiftspec.benchmark.e2e import machine_record
 
     record = {"command": "python bench/native_forward.py " + argv, "model": args.model,
               **machine_record(),  # cpu, cpu_family, cpu_flags, isa, ...
-              "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "rows": rows_out}
+              "threads": args.threads, "dtype": args.dtype, "bandwidth_gb_s": bw / 1e9, "rows": rows_out,
+              "prefill": prefills}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -60,6 +60,10 @@ def render(record) -> str:
                   f"{r.get('quant_gemm', default if r['weights'] == 'native' and r['kernels'] else '-')} | "
                   f"{r['rows']} | {r['ms']:.1f} | {r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} % |"
                   for r in record["rows"]]
+        if record.get("prefill"):
+            lines += ["", f"prefill ({record.get('dtype', 'float32')} activations, the dispatched kernel)", "",
+                      "| prompt tokens | ms | tokens/s |", "|---|---|---|"]
+            lines += [f"| {p['tokens']} | {p['ms']:.0f} | {p['tokens_per_s']:.0f} |" for p in record["prefill"]]
         return "\n".join(lines)
     if isinstance(record, dict) and record.get("rows") and "top1_agreement" in record["rows"][0]:
         lines = ["| weights | kernels | tokens | top-1 agreement with llama.cpp | mean KL, nats |", "|---|---|---|---|---|"]
