@@ -109,6 +109,14 @@ constexpr int kX8Int16Sums = 0;  // 0: as far as int16 cannot overflow (q0_x8_ro
 constexpr int kX8Rows = 4;  // rows per register set (16 ymm registers)
 #endif
 
+// h + the int16 pair products of a's lanes and the 2 int16 values at x, in every lane (`first`:
+// from zero): exact int32 sums
+template <class V>
+static inline V x8_dot16(V h, V a, const int16_t* x, bool first) {
+  const V p = Vec<V>::madd16(a, bcast32<V>(x));
+  return first ? p : Vec<V>::add32(h, p);
+}
+
 // the rows' float results, column c in lane c, updated once per super-block in the same order as
 // quant_blocks.h: fma(float(isum), d * da), then fma(-float(msum), dmin * da)
 template <class V, class F>
@@ -128,7 +136,9 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
 // block ahead, stopping at the group's end, left the 32-value types (352-byte blocks) streaming far
 // below the read rate and the K types' 4-8 row products waiting on DRAM; 4 KiB and 12 KiB, or into
 // L2, or spread through the block's products, were no better. The 8-row kernels go without (a
-// prefetch slowed their one-row forward on an Intel Xeon, run 17).
+// prefetch slowed their one-row forward on an Intel Xeon, run 17). Only a group's first 16 rows
+// prefetch (X8Rows::prefetch): a prefill's later rows find the group's blocks in L1/L2, where the
+// prefetches only cost issue slots (~8 % of a 16-row Q4_K block's time, one-thread probe).
 constexpr int64_t kPrefetchBytes = 6144;
 static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
@@ -144,6 +154,7 @@ struct X8Rows {
   const int16_t* xs[16];
   const int16_t* xs32[16];
   float* f[16];
+  bool prefetch;  // the group's first 16 rows: its blocks come from DRAM (later rows find them cached)
 };
 
 // Q4_K tables of one group super-block: the 6-bit scales and mins of 8 sub-blocks x the group's
@@ -204,13 +215,19 @@ static inline void q4k_x8_rows(const uint8_t* blk, int64_t b, const Q4KTables<V>
     }
     for (int i = 0; i < MR; ++i) acc[i] = O::add32(acc[i], O::add32(x8_scaled(ha[i], sa), x8_scaled(hb[i], sb)));
   }
+  // min term: sub-block pairs (2p, 2p + 1) against the row's sums of 32, the mins of a pair as the
+  // int16 lanes of each column's word: made once for all rows where 8 share them (at 1-4 rows
+  // per row, which measured as fast there)
+  V m0 = O::zero(), m1 = m0, m2 = m0, m3 = m0;
+  if constexpr (MR >= 8) {
+    m0 = bytes16(t.mn03, 0, 1), m1 = bytes16(t.mn03, 2, 3), m2 = bytes16(t.mn47, 0, 1), m3 = bytes16(t.mn47, 2, 3);
+  }
   for (int i = 0; i < MR; ++i) {
-    // min term: sub-block pairs (2p, 2p + 1) against the row's sums of 32
     const int16_t* xs = r.xs32[i0 + i] + b * 8;
-    V ms = O::madd16(bytes16(t.mn03, 0, 1), bcast32<V>(xs));
-    ms = O::add32(ms, O::madd16(bytes16(t.mn03, 2, 3), bcast32<V>(xs + 2)));
-    ms = O::add32(ms, O::madd16(bytes16(t.mn47, 0, 1), bcast32<V>(xs + 4)));
-    ms = O::add32(ms, O::madd16(bytes16(t.mn47, 2, 3), bcast32<V>(xs + 6)));
+    V ms = O::madd16(MR >= 8 ? m0 : bytes16(t.mn03, 0, 1), bcast32<V>(xs));
+    ms = O::add32(ms, O::madd16(MR >= 8 ? m1 : bytes16(t.mn03, 2, 3), bcast32<V>(xs + 2)));
+    ms = O::add32(ms, O::madd16(MR >= 8 ? m2 : bytes16(t.mn47, 0, 1), bcast32<V>(xs + 4)));
+    ms = O::add32(ms, O::madd16(MR >= 8 ? m3 : bytes16(t.mn47, 2, 3), bcast32<V>(xs + 6)));
     x8_finish(r.f[i0 + i], acc[i], ms, t.d, t.dmin, r.xd[i0 + i][b]);
   }
 }
@@ -244,8 +261,8 @@ static inline Q6KTables<V> q6k_tables(const uint8_t* blk) {
 // registers per block at 8 rows, and the kernels ran 7-19 % slower at 4-8 rows (avx512_vnni_512,
 // avx512_vnni and avx2; bench/RESULTS.md, "Q6_K without spills").
 template <class V, int MR>
-__attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b, const Q6KTables<V>& t,
-                                                  const X8Rows& r, int i0) {
+__attribute__((always_inline)) static inline void q6k_x8_rows(const uint8_t* blk, int64_t b,
+                                                             const Q6KTables<V>& t, const X8Rows& r, int i0) {
   using O = Vec<V>;
   constexpr int S = O::kScale;
   constexpr int lim = kX8Int16Sums ? 4 : 2;
@@ -284,33 +301,47 @@ __attribute__((noinline)) static void q6k_x8_rows(const uint8_t* blk, int64_t b,
       }
     }
   }
+  V mn[8];  // the scales of sub-blocks (2p, 2p + 1) as the int16 lanes of each column's word, once for all rows
+  for (int p = 0; p < 8; ++p) {
+    mn[p] = sbytes16(t.sc[p / 2], 2 * (p % 2), 2 * (p % 2) + 1);
+    QG_KEEP(mn[p]);
+  }
   for (int i = 0; i < MR; ++i) {
     const int16_t* xs = r.xs[i0 + i] + b * 16;
     V ms = O::zero();
-    for (int p = 0; p < 8; ++p)
-      ms = O::add32(ms, O::madd16(sbytes16(t.sc[p / 2], 2 * (p % 2), 2 * (p % 2) + 1), bcast32<V>(xs + 2 * p)));
+    for (int p = 0; p < 8; ++p) ms = x8_dot16(ms, mn[p], xs + 2 * p, p == 0);
     x8_finish(r.f[i0 + i], acc[i], ms, t.d, t.dmin, r.xd[i0 + i][b]);
   }
+}
+
+// q6k_x8_rows as a call of its own (see k_x8_rows)
+template <class V, int MR>
+__attribute__((noinline)) static void q6k_x8_call(const uint8_t* blk, int64_t b, const Q6KTables<V>& t,
+                                                  const X8Rows& r, int i0) {
+  q6k_x8_rows<V, MR>(blk, b, t, r, i0);
 }
 
 // Super-blocks [b0, b1) of one group (Q4_K or Q6_K) for rows i0..i0+MR, in block order: with one
 // row tile, all of the group's blocks in one call, not a call per block (whose call and tables
 // passed through memory showed at one row, AVX2 and AVX-512; Q6_K's block stays a call of its
-// own, which its 8-row tile needs to keep its registers); with several tiles, one block for every
-// tile before the next block (each tile's own pass through all blocks was slower at 8 rows with
-// AVX2's 4-row tiles; one-thread probe on AMD Zen 5). The first tile prefetches ahead for the
-// others (16-row layout, see kPrefetchBytes).
+// own at 4-8 rows, which its 8-row tile needs to keep its registers, and is inlined at 1-2 rows,
+// 5-10 % faster there and 3-8 % slower at 8 rows: one-thread probe on AMD Zen 5, in L2); with
+// several tiles, one block for every tile before the next block (each tile's own pass through
+// all blocks was slower at 8 rows with AVX2's 4-row tiles; one-thread probe on AMD Zen 5). The
+// first tile prefetches ahead for the others (16-row layout, see kPrefetchBytes).
 // (not inlined: one register allocation per row count, and none shared with the caller's loops)
 template <class V, int Base, int MR>
 __attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t b0, int64_t b1, int64_t gb,
                                                 const X8Rows& r, int i0) {
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = grp + b * gb;
-    if (Vec<V>::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
+    if (Vec<V>::kCols == 16 && i0 == 0 && r.prefetch) prefetch_ahead(grp, b, gb);
     if constexpr (Base == kQ4_K)
       q4k_x8_rows<V, MR>(blk, b, q4k_tables<V>(blk), r, i0);
-    else
+    else if constexpr (MR <= 2)
       q6k_x8_rows<V, MR>(blk, b, q6k_tables<V>(blk), r, i0);
+    else
+      q6k_x8_call<V, MR>(blk, b, q6k_tables<V>(blk), r, i0);
   }
 }
 
@@ -375,7 +406,7 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
   F y[MR];
   for (int i = 0; i < MR; ++i) y[i] = O::loadf(r.f[i0 + i]);
   for (int64_t b = 0; b < nb; ++b) {
-    if (O::kCols == 16 && i0 == 0) prefetch_ahead(grp, b, gb);
+    if (O::kCols == 16 && i0 == 0 && r.prefetch) prefetch_ahead(grp, b, gb);
     const uint8_t* blk = grp + b * gb;
     const Q0Header<V> g = q0_header<V, Base>(blk);
     const int8_t* xb[MR];
@@ -453,6 +484,7 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
     const int mr = static_cast<int>(p.M - m0 < 16 ? p.M - m0 : 16);
     alignas(64) float f[16 * C];
     X8Rows r;
+    r.prefetch = m0 == 0;
     for (int i = 0; i < mr; ++i) {
       const int64_t m = m0 + i;
       r.xq[i] = p.xq + m * p.K;
