@@ -138,7 +138,7 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
 // L2, or spread through the block's products, were no better. The 8-row kernels go without (a
 // prefetch slowed their one-row forward on an Intel Xeon, run 17). Only a group's first 16 rows
 // prefetch (X8Rows::prefetch): a prefill's later rows find the group's blocks in L1/L2, where the
-// prefetches only cost issue slots (~8 % of a 16-row Q4_K block's time, one-thread probe).
+// prefetches only cost issue slots (3-8 % of a 16-row Q4_K block's time, one-thread probe).
 constexpr int64_t kPrefetchBytes = 6144;
 static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
