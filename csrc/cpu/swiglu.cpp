@@ -278,10 +278,14 @@ at::Tensor silu_mul_impl(const at::Tensor& gu_in, at::ScalarType out_dtype, Silu
 
 }  // namespace
 
-bool silu_mul_simd() { return silu_mul_impls().back() != "scalar"; }
+bool silu_mul_simd() {
+  static const bool simd = silu_mul_impls().back() != "scalar";
+  return simd;
+}
 
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up, at::ScalarType out_dtype) {
-  return silu_mul_impl(gate_up, out_dtype, silu_mul_from_name("auto"));
+  static const SiluMul best = silu_mul_from_name("auto");
+  return silu_mul_impl(gate_up, out_dtype, best);
 }
 
 void register_swiglu(pybind11::module_& m) {
