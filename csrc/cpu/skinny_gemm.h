@@ -165,19 +165,8 @@ inline __mmask16 tail_mask16(int64_t rem) {
 inline __mmask32 tail_mask32(int64_t rem) {
   return rem >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << rem) - 1u);
 }
-inline __m512 bf16x16_to_f32(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// fp32 -> bf16 bits, round-to-nearest-even with NaN -> 0x7FC0 (c10::BFloat16's rule).
-inline __m256i float_to_bf16_avx512(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
-}
+using vec::bf16x16_to_f32;
+using vec::float_to_bf16_avx512;
 
 // fp32 x and weights, fmadd.
 struct OpsF32 {

@@ -74,7 +74,7 @@ void SwigluEpilogue::simd(const skinny::Tile<2>& t) const {
       const __m512 y = _mm512_mul_ps(_mm512_div_ps(g, sig_den), u);
       if (bf16) {
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * I + t.n0 + c, k,
-                                 skinny::float_to_bf16_avx512(y));
+                                 vec::float_to_bf16_avx512(y));
       } else {
         _mm512_mask_storeu_ps(static_cast<float*>(out) + m * I + t.n0 + c, k, y);
       }
@@ -171,17 +171,6 @@ void silu_mul_row_scalar(const float* g, const float* u, int64_t n, float* of, u
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// fp32 -> bf16 bits for 8 lanes: round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule, as
-// skinny::float_to_bf16_avx512)
-inline __m128i float_to_bf16_avx2(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  // 32 -> 16 bits (every value fits): packus works per 128-bit half, so gather the halves' low words
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-
 inline __m256 silu_mul8(__m256 g, __m256 u) {
   const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), vec::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)));
   return _mm256_mul_ps(_mm256_div_ps(g, den), u);
@@ -192,7 +181,7 @@ void silu_mul_row_avx2(const float* g, const float* u, int64_t n, float* of, uin
   for (; c + 8 <= n; c += 8) {
     const __m256 y = silu_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c));
     if (ob != nullptr)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + c), float_to_bf16_avx2(y));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + c), vec::float_to_bf16_avx2(y));
     else
       _mm256_storeu_ps(of + c, y);
   }
@@ -204,7 +193,7 @@ void silu_mul_row_avx2(const float* g, const float* u, int64_t n, float* of, uin
   for (int64_t i = 0; i < k; ++i) gt[i] = g[c + i], ut[i] = u[c + i];
   const __m256 y = silu_mul8(_mm256_load_ps(gt), _mm256_load_ps(ut));
   _mm256_store_ps(yt, y);
-  _mm_store_si128(reinterpret_cast<__m128i*>(bt), float_to_bf16_avx2(y));
+  _mm_store_si128(reinterpret_cast<__m128i*>(bt), vec::float_to_bf16_avx2(y));
   for (int64_t i = 0; i < k; ++i) {
     if (ob != nullptr)
       ob[c + i] = bt[i];
@@ -225,7 +214,7 @@ void silu_mul_row_avx512(const float* g, const float* u, int64_t n, float* of, u
   for (; c + 16 <= n; c += 16) {  // whole vectors unmasked, the tail through a masked one
     const __m512 y = silu_mul16(_mm512_loadu_ps(g + c), _mm512_loadu_ps(u + c));
     if (ob != nullptr)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + c), skinny::float_to_bf16_avx512(y));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + c), vec::float_to_bf16_avx512(y));
     else
       _mm512_storeu_ps(of + c, y);
   }
@@ -233,7 +222,7 @@ void silu_mul_row_avx512(const float* g, const float* u, int64_t n, float* of, u
     const __mmask16 k = skinny::tail_mask16(n - c);
     const __m512 y = silu_mul16(_mm512_maskz_loadu_ps(k, g + c), _mm512_maskz_loadu_ps(k, u + c));
     if (ob != nullptr)
-      _mm256_mask_storeu_epi16(ob + c, k, skinny::float_to_bf16_avx512(y));
+      _mm256_mask_storeu_epi16(ob + c, k, vec::float_to_bf16_avx512(y));
     else
       _mm512_mask_storeu_ps(of + c, k, y);
   }

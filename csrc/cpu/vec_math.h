@@ -1,5 +1,5 @@
-// Scalar bf16 conversions and 16-lane (AVX-512) and 8-lane (AVX2) exp shared by the CPU twins
-// (skinny_gemm.h, swiglu.cpp, tree_attention.cpp).
+// bf16 conversions (scalar, 16-lane AVX-512, 8-lane AVX2) and 16-lane (AVX-512) and 8-lane (AVX2)
+// exp shared by the CPU twins (skinny_gemm.h, swiglu.cpp, tree_attention.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -29,6 +29,20 @@ inline uint16_t float_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
 constexpr float kExpPoly[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
 
 #if defined(__AVX512F__)
+// 16 bf16 values -> fp32 lanes (exact)
+inline __m512 bf16x16_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> bf16 bits for 16 lanes, round-to-nearest-even with NaN -> 0x7FC0 (c10::BFloat16's rule)
+inline __m256i float_to_bf16_avx512(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
 // exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, degree-7 Taylor polynomial of e^r
 // (truncation error < 6e-9 relative) and the exponent applied by vscalefps, which also yields
 // exact 0 / inf-free results at the clamped range ends. NaN propagates.
@@ -45,6 +59,16 @@ inline __m512 exp_avx512(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
+// fp32 -> bf16 bits for 8 lanes, the same rule as float_to_bf16_avx512
+inline __m128i float_to_bf16_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // 32 -> 16 bits (every value fits): packus works per 128-bit half, so gather the halves' low words
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
 // exp(x) for 8 lanes, the same reduction and polynomial as exp_avx512; 2^n is built in the
 // exponent field, so x is clamped to [-87.3, 88.3] (normal results) and lanes below -87.3 are
 // flushed to exact 0 (e^x < 1.2e-38 there). NaN propagates. Elementwise: a lane's result does not
