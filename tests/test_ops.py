@@ -82,26 +82,6 @@ def test_silu_and_mul_takes_the_twin_only_where_it_fits():
     assert torch.equal(ops.silu_and_mul(gu[None]), reference.silu_and_mul(gu[None]))
 
 
-def test_importing_swiftspec_puts_large_cpu_tensors_on_huge_pages():
-    """``import swiftspec`` sets THP_MEM_ALLOC_ENABLE (unless the environment says otherwise), so
-    PyTorch's CPU allocator madvises big tensors (weights, prefill activations) onto transparent huge
-    pages; THP_MEM_ALLOC_ENABLE=0 keeps them on 4 KiB pages."""
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[madvise]" not in mode.read_text():
-        pytest.skip("the kernel's THP mode is not madvise here (always: nothing to show; never: none)")
-    code = ("import swiftspec, torch\n"
-            "x = torch.ones(64 << 20, dtype=torch.uint8); x.add_(1)\n"
-            "print([int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')][0])")
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    huge = {}
-    for value in (None, "0"):
-        run_env = env if value is None else {**env, "THP_MEM_ALLOC_ENABLE": value}
-        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        huge[value] = int(out.stdout.split()[-1])
-    assert huge[None] >= 32 << 10 and huge["0"] == 0, huge  # kB
-
-
 def test_load_survives_a_stale_torch_build_lock():
     """A process killed inside torch's cpp_extension.load leaves its lock file; loading must not
     wait for it forever."""
