@@ -90,6 +90,24 @@ class TPContext:
 
 LOCAL = TPContext()
 
+PAD = -1  # global index of a padded (all-zero) feature, row or head in a rank's shard
+
+
+def take_shard(src: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """``src`` indexed along ``dim`` by ``index`` (``[n]`` int64 global positions, :data:`PAD` for
+    a zero slice): a view where ``index`` is one contiguous range, else a new tensor."""
+    n = index.numel()
+    start = int(index[0]) if n else 0
+    if n and start >= 0 and torch.equal(index, torch.arange(start, start + n)):
+        return src.narrow(dim, start, n)  # the unpadded Megatron case: one contiguous slice
+    shape = list(src.shape)
+    shape[dim] = n
+    out = src.new_zeros(shape)
+    keep = (index >= 0).nonzero().squeeze(1)
+    if keep.numel():
+        out.index_copy_(dim, keep, src.index_select(dim, index[keep]))
+    return out
+
 
 def free_tcp_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for the rendezvous)."""

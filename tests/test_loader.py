@@ -68,12 +68,14 @@ def _random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
 
 
 def make_gguf(path: Path, arch: str = "qwen2", *, tied: bool = True, quant: Q = Q.Q8_0, seed: int = 0,
-              rope_freqs: np.ndarray | None = None, tokenizer: bool = True, ffn_up: Q = Q.F16) -> dict[str, np.ndarray]:
+              rope_freqs: np.ndarray | None = None, tokenizer: bool = True, ffn_up: Q = Q.F16,
+              ffn: int = FFN) -> dict[str, np.ndarray]:
     """Write a tiny GGUF; return the HF-layout float32 weights it encodes.
 
     Matrices are stored in ``quant``, except ffn_up (``ffn_up``, F16 by default) and ffn_down (Q4_K, random blocks);
-    norms and biases are F32.  For lossless storage (F32, F16, the raw Q4_K) the returned value
-    is exactly what the file encodes; for Q8_0/Q5_0 it is the value before quantization.
+    norms and biases are F32; ``ffn``: the intermediate size (a multiple of 256).  For lossless
+    storage (F32, F16, the raw Q4_K) the returned value is exactly what the file encodes; for
+    Q8_0/Q5_0 it is the value before quantization.
     """
     rng = np.random.default_rng(seed)
     hf: dict[str, np.ndarray] = {}
@@ -82,7 +84,7 @@ def make_gguf(path: Path, arch: str = "qwen2", *, tied: bool = True, quant: Q = 
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
@@ -136,9 +138,9 @@ def make_gguf(path: Path, arch: str = "qwen2", *, tied: bool = True, quant: Q = 
             put(f"blk.{i}.attn_v.bias", p + "self_attn.v_proj.bias", rnd(KV_HEADS * HEAD_DIM), Q.F32)
         put(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight", rnd(HIDDEN, HEADS * HEAD_DIM), quant)
         put(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rnd(HIDDEN), Q.F32)
-        put(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rnd(FFN, HIDDEN), quant)
-        put(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rnd(FFN, HIDDEN), ffn_up)
-        put(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rnd(HIDDEN, FFN), Q.Q4_K)
+        put(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rnd(ffn, HIDDEN), quant)
+        put(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rnd(ffn, HIDDEN), ffn_up)
+        put(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rnd(HIDDEN, ffn), Q.Q4_K)
     put("output_norm.weight", "model.norm.weight", 1 + rnd(HIDDEN), Q.F32)
     if not tied:
         put("output.weight", "lm_head.weight", rnd(VOCAB, HIDDEN), quant)

@@ -14,14 +14,15 @@ from swiftspec import ops
 from swiftspec.layers.gguf import GGUFWeight
 from swiftspec.layers.quant import quantize_int8
 from swiftspec.ops import quant
-from swiftspec.parallel import LOCAL, TPContext
+from swiftspec.parallel import LOCAL, PAD, TPContext
 
 
 class VocabParallelEmbedding(nn.Module):
     """``[n] int64 -> [n, hidden]``; each rank looks up its rows, the group all-reduces.
 
-    With ``gguf_type`` (TP = 1) the table stays in the checkpoint's blocks (``self.native``,
-    ``weight`` is None) and the looked-up rows are dequantized.
+    With ``gguf_type`` the table (this rank's rows of it) stays in the checkpoint's blocks
+    (``self.native``, ``weight`` is None; padded rows are zero blocks) and the looked-up rows are
+    dequantized.
     """
 
     # whether GGUF blocks may take the kernels' interleaved layout: not for a table of row lookups
@@ -38,10 +39,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.shard
         self.native: GGUFWeight | None = None
         if gguf_type is not None:
-            if tp.size != 1:
-                raise ValueError("GGUF block weights are supported at TP = 1 only")
-            self.native = GGUFWeight(hidden_size, [vocab_size], [gguf_type],
-                                     interleave=ops.quant_interleave_rows() if self.interleave_blocks else 0)
+            rows = torch.arange(self.start, self.start + self.shard)
+            self.native = GGUFWeight(hidden_size, [self.shard], [gguf_type],
+                                     interleave=ops.quant_interleave_rows() if self.interleave_blocks else 0,
+                                     row_index=[rows.masked_fill(rows >= vocab_size, PAD)] if tp.size > 1 else None)
             self.register_parameter("weight", None)
             return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
@@ -52,14 +53,17 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[:n].copy_(loaded[self.start:self.start + n])
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return self.native.rows(ids).to(self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = self._lookup(local.masked_fill(outside, 0))
         y = y.masked_fill(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(y)
 
@@ -88,14 +92,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         v = self.vocab_size if limit is None else min(limit, self.vocab_size)
         n_local = max(0, min(self.shard, v - self.start))
-        if self.native is not None:  # TP = 1: rows [0, v) of the block table
+        if self.native is not None and n_local == 0:  # a rank past the vocabulary limit
+            logits = h.new_empty(h.shape[0], 0, dtype=torch.float32)
+        elif self.native is not None:  # local rows [0, n_local) of the block table
             nat = self.native
-            # interleaved blocks come in groups of 8 or 16 rows: compute up to the group's end, keep v
+            # interleaved blocks come in groups of 8 or 16 rows: compute up to the group's end, keep n_local
             g = quant.group_rows(nat.types[0])
-            n = min(-(-v // g) * g, self.vocab_size)
+            n = min(-(-n_local // g) * g, self.shard)
             y = ops.quant_linear(h, [nat.parts[0][:n]], nat.types, lambda: [nat.dequantized()[0][:n]])
-            return y if n == v else y[:, :v]
-        if hasattr(self, "qweight"):
+            logits = y if n == n_local else y[:, :n_local]
+        elif hasattr(self, "qweight"):
             logits = ops.int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
         else:
             # rows [0, n_local) of the row-major [shard, hidden] table: a contiguous weight

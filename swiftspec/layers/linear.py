@@ -22,9 +22,7 @@ from torch import nn
 from swiftspec import ops
 from swiftspec.layers.gguf import GGUFWeight
 from swiftspec.layers.quant import quantize_int8
-from swiftspec.parallel import LOCAL, TPContext
-
-PAD = -1  # global index of a padded (all-zero) feature or head
+from swiftspec.parallel import LOCAL, PAD, TPContext, take_shard
 
 
 def _even_index(n: int, tp: TPContext) -> torch.Tensor:
@@ -32,6 +30,18 @@ def _even_index(n: int, tp: TPContext) -> torch.Tensor:
     per = -(-n // tp.size)
     idx = torch.arange(tp.rank * per, (tp.rank + 1) * per)
     return idx.masked_fill(idx >= n, PAD)
+
+
+def block_split(n: int, tp: TPContext, block: int) -> torch.Tensor | None:
+    """This rank's features of a dimension of ``n`` features cut into whole blocks of ``block``
+    (GGUF blocks along a row-parallel layer's input): the blocks dealt out in contiguous runs,
+    ranks differing by at most one block, nothing padded. None where some rank would get no
+    block or ``n`` is not whole blocks (the layers then keep float weights)."""
+    if n % block or n // block < tp.size:
+        return None
+    nb = n // block
+    lo, hi = tp.rank * nb // tp.size, (tp.rank + 1) * nb // tp.size
+    return torch.arange(lo * block, hi * block)
 
 
 def _heads_to_features(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -42,15 +52,7 @@ def _heads_to_features(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def _copy_shard(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, dim: int) -> None:
     """``dst[..i..] = src[..index[i]..]`` along ``dim``, zero where ``index`` is PAD."""
-    n = index.numel()
-    start = int(index[0])
-    if start >= 0 and torch.equal(index, torch.arange(start, start + n)):
-        dst.copy_(src.narrow(dim, start, n))  # the unpadded Megatron case: one contiguous slice
-        return
-    dst.zero_()
-    keep = (index >= 0).nonzero().squeeze(1)
-    if keep.numel():
-        dst.index_copy_(dim, keep, src.index_select(dim, index[keep]))
+    dst.copy_(take_shard(src, index, dim))
 
 
 def gqa_head_layout(num_heads: int, num_kv_heads: int, tp_size: int
@@ -118,19 +120,22 @@ class LinearBase(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W`` of shape ``[out_local, in_local]``.
 
     The weight format is fixed when the layer is built: a float ``weight`` in the model's dtype,
-    or, with ``gguf_types`` (one ggml type per part of ``part_sizes`` rows; TP = 1 only), a
-    :class:`GGUFWeight` in ``self.native`` that keeps the checkpoint's blocks (``weight`` is None).
+    or, with ``gguf_types`` (one ggml type per part of ``part_sizes`` rows), a
+    :class:`GGUFWeight` in ``self.native`` that keeps the checkpoint's blocks (``weight`` is None);
+    at TP > 1 it holds this rank's rows (``row_index``, per part) or whole blocks of its input
+    features (``k_index``) of them, as :class:`GGUFWeight` describes.
     """
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPContext, dtype: torch.dtype,
-                 gguf_types: list[int] | None = None, part_sizes: list[int] | None = None):
+                 gguf_types: list[int] | None = None, part_sizes: list[int] | None = None,
+                 row_index: list[torch.Tensor | None] | None = None, k_index: torch.Tensor | None = None):
         super().__init__()
         self.tp = tp
         self.native: GGUFWeight | None = None
         if gguf_types is not None:
-            if tp.size != 1:
-                raise ValueError("GGUF block weights are supported at TP = 1 only")
-            self.native = GGUFWeight(in_local, part_sizes or [out_local], gguf_types, interleave=ops.quant_interleave_rows())
+            self.native = GGUFWeight(in_local, part_sizes or [out_local], gguf_types, interleave=ops.quant_interleave_rows(),
+                                     row_index=row_index if tp.size > 1 else None,
+                                     k_index=k_index if tp.size > 1 else None)
             self.register_parameter("weight", None)
         else:
             self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
@@ -183,7 +188,7 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32,
                  gguf_types: list[int] | None = None):
         self.out_index = _even_index(out_features, tp)
-        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype, gguf_types)
+        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype, gguf_types, row_index=[self.out_index])
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_shard(param.data, loaded, self.out_index, 0)
@@ -193,16 +198,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one weight (e.g. gate and up).
 
     ``output_sizes`` are the full (unsharded) sizes; each rank stores its padded slice of every
-    part, concatenated: ``[part0_local | part1_local | ...]`` with ``part_local = ceil(size / tp)``.
+    part, concatenated: ``[part0_local | part1_local | ...]`` with ``part_local = ceil(size / tp)``,
+    or the global rows given for each part by ``part_index`` (e.g. :func:`block_split`).
     ``shard_id`` is the part index.
     """
 
     def __init__(self, in_features, output_sizes: list[int], bias=False, tp: TPContext = LOCAL,
-                 dtype=torch.float32, gguf_types: list[int] | None = None):
-        self.part_index = [_even_index(o, tp) for o in output_sizes]
+                 dtype=torch.float32, gguf_types: list[int] | None = None,
+                 part_index: list[torch.Tensor] | None = None):
+        self.part_index = part_index or [_even_index(o, tp) for o in output_sizes]
         self.output_sizes = [i.numel() for i in self.part_index]
         LinearBase.__init__(self, in_features, sum(self.output_sizes), bias, tp, dtype, gguf_types,
-                            self.output_sizes)
+                            self.output_sizes, row_index=self.part_index)
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = self.output_sizes[shard_id]
@@ -229,7 +236,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_index = _heads_to_features(self.q_heads, head_dim)
         self.kv_index = _heads_to_features(self.kv_heads, head_dim)
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        LinearBase.__init__(self, hidden_size, q + 2 * kv, bias, tp, dtype, gguf_types, [q, kv, kv])
+        LinearBase.__init__(self, hidden_size, q + 2 * kv, bias, tp, dtype, gguf_types, [q, kv, kv],
+                            row_index=[self.q_index, self.kv_index, self.kv_index])
 
     def weight_loader(self, param, loaded, shard_id=None):
         q = self.q_index.numel()
@@ -246,7 +254,9 @@ class RowParallelLinear(LinearBase):
     or, with ``in_index``, the global input feature given for each local column (PAD: a zero
     column, e.g. the padded heads of :class:`QKVParallelLinear` feeding o_proj). Zero columns
     make the padded inputs contribute exactly 0 as long as they are finite. The bias (if any) is
-    added once, after the reduction, so the result equals the unsharded layer.
+    added once, after the reduction, so the result equals the unsharded layer. GGUF blocks need
+    ``in_index`` in whole blocks (:func:`swiftspec.layers.gguf.block_index`); their float32
+    partial sums are all-reduced, then the bias is added and the sum rounded once to x's dtype.
 
     Int8 quantization uses the per-row scales of the *whole* row (remembered at load time), so a
     quantized layer gives the same values at every TP degree.
@@ -256,7 +266,7 @@ class RowParallelLinear(LinearBase):
                  in_index: torch.Tensor | None = None, gguf_types: list[int] | None = None):
         self.in_index = _even_index(in_features, tp) if in_index is None else in_index
         self.row_absmax: torch.Tensor | None = None
-        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype, gguf_types)
+        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype, gguf_types, k_index=self.in_index)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: not sharded
@@ -279,8 +289,11 @@ class RowParallelLinear(LinearBase):
         self.row_absmax = None
 
     def forward(self, x):
-        if self.native is not None:  # TP = 1: nothing to reduce
+        if self.native is not None and self.tp.size == 1:  # nothing to reduce
             return self.matmul(x, self.bias)
+        if self.native is not None:  # float32 partial sums, summed in rank order; one rounding after the bias
+            y = self.tp.all_reduce(self.native.matmul(x))
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         if hasattr(self, "qweight"):  # int8: the quantized GEMM, the all-reduce, the bias once
             y = self.tp.all_reduce(self.matmul(x))
             return y if self.bias is None else y + self.bias

@@ -21,8 +21,8 @@ from torch import nn
 from swiftspec import ops
 from swiftspec.ops import quant
 from swiftspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from swiftspec.layers.gguf import SHARD_PART, GGUFWeight
-from swiftspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from swiftspec.layers.gguf import SHARD_PART, GGUFWeight, block_index
+from swiftspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, block_split
 from swiftspec.layers.norm import RMSNorm
 from swiftspec.layers.rotary import RotaryEmbedding
 from swiftspec.loader import NATIVE_FILE
@@ -47,10 +47,14 @@ class Attention(nn.Module):
         qkv = _gguf_types(native, [f"{prefix}.{p}_proj.weight" for p in "qkv"])
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias, tp=tp, dtype=dtype, gguf_types=qkv)
-        # o_proj's local input columns follow the (possibly padded) local query heads
+        # o_proj's local input columns follow the (possibly padded) local query heads; at TP > 1 its
+        # blocks stay only where those are whole blocks (else float, listed in `unsplit`)
+        o = _gguf_types(native, [f"{prefix}.o_proj.weight"])
+        self.unsplit: list[str] = []
+        if o and tp.size > 1 and block_index(self.qkv_proj.q_index, quant.block_values(o[0])) is None:
+            o, self.unsplit = None, [f"{prefix}.o_proj"]
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp,
-                                        dtype=dtype, in_index=self.qkv_proj.q_index,
-                                        gguf_types=_gguf_types(native, [f"{prefix}.o_proj.weight"]))
+                                        dtype=dtype, in_index=self.qkv_proj.q_index, gguf_types=o)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -74,10 +78,19 @@ class MLP(nn.Module):
                  native: dict[str, int] | None = None):
         super().__init__()
         gate_up = _gguf_types(native, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
+        down = _gguf_types(native, [f"{prefix}.down_proj.weight"])
+        # at TP > 1 with down_proj on blocks, gate/up rows and down_proj's input features split
+        # alike into whole blocks of down_proj's type (no padding); else the even padded split
+        split, self.unsplit = None, []
+        if down and tp.size > 1:
+            split = block_split(cfg.intermediate_size, tp, quant.block_values(down[0]))
+            if split is None:
+                down, self.unsplit = None, [f"{prefix}.down_proj"]
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
-                                                       dtype=dtype, gguf_types=gate_up)
+                                                       dtype=dtype, gguf_types=gate_up,
+                                                       part_index=None if split is None else [split, split])
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype,
-                                           gguf_types=_gguf_types(native, [f"{prefix}.down_proj.weight"]))
+                                           in_index=split, gguf_types=down)
 
     def forward(self, x):
         gate_up = self.gate_up_proj
@@ -98,9 +111,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         attn, mlp = self.self_attn, self.mlp
-        # every linear layer on GGUF blocks: the CPU runs the layer as one C++ call (built on first use)
-        self.all_native = all(lin.native is not None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                  mlp.down_proj))
+        # every linear layer on GGUF blocks, TP = 1: the CPU runs the layer as one C++ call (built on
+        # first use); at TP > 1 the modules run, with their all-reduces
+        self.all_native = tp.size == 1 and all(lin.native is not None for lin in (attn.qkv_proj, attn.o_proj,
+                                                                                  mlp.gate_up_proj, mlp.down_proj))
         self._native_layer = None
 
     def forward(self, x, residual, positions, rope, slots, mask, kv):
@@ -147,7 +161,9 @@ class LlamaForCausalLM(nn.Module):
             torch.bfloat16).
         max_positions: size of the RoPE tables; positions must stay below it.
         native: ggml type of each checkpoint tensor (HF names) kept in GGUF blocks; a layer
-            whose tensors all have a quantized kernel keeps them (TP = 1), others are float.
+            whose tensors all have a quantized kernel keeps them (at TP > 1 this rank's rows or
+            whole blocks of them; a row-parallel layer whose shard would cut a block stays float,
+            named in its module's ``unsplit``), others are float.
         stage: the decoder layers this model holds, ``range(start, stop)`` (a pipeline stage);
             default all. The first stage holds the embedding, the last the final norm and the
             LM head (and the embedding when they are tied); other layers are not built.
@@ -168,8 +184,6 @@ class LlamaForCausalLM(nn.Module):
         if not (0 <= stage.start < stage.stop <= cfg.num_layers and stage.step == 1):
             raise ValueError(f"stage {stage} is not a non-empty range of the {cfg.num_layers} layers")
         self.first, self.last = stage.start == 0, stage.stop == cfg.num_layers
-        if tp.size != 1:
-            native = None
         embed = _gguf_types(native, ["model.embed_tokens.weight"])
         self.embed_tokens = None
         if self.first or (self.last and cfg.tie_word_embeddings):
@@ -319,9 +333,10 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
                device: torch.device | str = "cpu", stage: range | None = None) -> LlamaForCausalLM:
     """Build the model described by ``model_dir/config.json`` and load this rank's weight shards.
 
-    ``weights``: "native" keeps GGUF blocks with a quantized kernel as they are (TP = 1; layers
-    without one, and every layer at TP > 1, are float in ``dtype``, with a one-line notice naming
-    the block types); "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``.
+    ``weights``: "native" keeps GGUF blocks with a quantized kernel as they are (at TP > 1 each
+    rank's shard of them); layers without one, and at TP > 1 row-parallel layers whose shard would
+    cut a block, are float in ``dtype``, with a one-line notice naming the block types or layers;
+    "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``.
     ``stage``: only these decoder layers (a pipeline stage, see :class:`LlamaForCausalLM`); the
     checkpoint's other tensors are not read. The model is built and loaded on the host, then moved to ``device``; on CUDA GGUF blocks run
     dequantized in ``dtype`` (the quantized kernels are CPU kernels), with a one-line notice.
@@ -341,10 +356,6 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
         print(f"swiftspec: GGUF blocks are dequantized to {dtype} on {device} (no GPU kernel for them yet)",
               file=sys.stderr)
         native = {}
-    if native and tp.size != 1:
-        print(f"swiftspec: GGUF blocks are dequantized to {dtype} at TP = {tp.size} (kernels need TP = 1)",
-              file=sys.stderr)
-        native = {}
     with torch.device("cpu"):
         model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native, stage)
     native = {n: t for n, t in native.items() if _in_stage(model, n)}
@@ -354,6 +365,11 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
     if lacking:
         print(f"swiftspec: no quantized kernel for {', '.join(lacking)}: those layers run dequantized",
               file=sys.stderr)
+    unsplit = [n for layer in model.layers if isinstance(layer, DecoderLayer)
+               for n in layer.self_attn.unsplit + layer.mlp.unsplit]
+    if unsplit:
+        print(f"swiftspec: at TP = {tp.size} the shards of {len(unsplit)} layers (e.g. {unsplit[0]}) would cut "
+              f"GGUF blocks: those layers run dequantized", file=sys.stderr)
 
     def blocks():
         if kept:
