@@ -81,14 +81,28 @@ def test_a_rank_holds_the_slices_of_the_dequantized_weight(ggml_type, tp_size):
 @pytest.fixture(scope="module")
 def tp_ggufs(tmp_path_factory):
     """Every linear layer on blocks: Q8_0 QKV / o_proj / gate / up / LM head, Q4_K down_proj over an
-    intermediate size of 3 Q4_K blocks (2 ranks: 1 and 2 blocks; 3 ranks: one each), untied head."""
+    intermediate size of 3 Q4_K blocks (2 ranks: 1 and 2 blocks; 3 ranks: one each), untied head;
+    the last one with an intermediate size of one Q4_K block."""
     root = tmp_path_factory.mktemp("native-tp")
     out = []
-    for seed in (0, 1):
+    for seed, ffn in ((0, 768), (1, 768), (2, 256)):
         path = root / f"tiny-{seed}.gguf"
-        make_gguf(path, quant=Q.Q8_0, seed=seed, tied=False, ffn_up=Q.Q8_0, ffn=768)
+        make_gguf(path, quant=Q.Q8_0, seed=seed, tied=False, ffn_up=Q.Q8_0, ffn=ffn)
         out.append(str(convert_gguf(path, root / f"tiny-{seed}", progress=False)))
     return out
+
+
+def test_a_shard_that_would_cut_a_block_stays_float_with_a_notice(tp_ggufs, capsys):
+    # building and loading a rank needs no collective: rank 0 of 2 without a process group
+    m = load_model(tp_ggufs[2], tp=TPContext(rank=0, size=2), dtype=torch.float32, weights="native")
+    assert "the shards of 2 layers (e.g. model.layers.0.mlp.down_proj) would cut GGUF blocks" in capsys.readouterr().err
+    for layer in m.layers:
+        assert layer.mlp.down_proj.native is None and layer.mlp.down_proj.weight.shape == (64, 128)
+        assert layer.mlp.gate_up_proj.native is not None and layer.self_attn.o_proj.native is not None
+    m = load_model(tp_ggufs[0], tp=TPContext(rank=1, size=2), dtype=torch.float32, weights="native")
+    assert "would cut" not in capsys.readouterr().err
+    down = m.layers[0].mlp.down_proj.native  # rank 1: the second and third of 3 blocks
+    assert down.in_features == 512 and m.layers[0].mlp.gate_up_proj.native.out_features == 1024
 
 
 def _logits(model, ids):
@@ -103,15 +117,18 @@ def _native_layers(m):
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
 
-def _rank_main(rank, world, port, model_dir, out):
+def _rank_main(rank, world, port, model_dir, dtype, out):
     try:
         torch.set_num_threads(1)
         from swiftspec.parallel import init_world
 
         (ctx,) = init_world(rank, world, port, [list(range(world))], timeout_s=30.0, shm_comm=rank >= 0)
-        m = load_model(model_dir, tp=ctx, dtype=torch.float32, weights="native")
+        m = load_model(model_dir, tp=ctx, dtype=dtype, weights="native")
         logits = _logits(m, IDS)
-        report(out, "ok", rank, (logits.numpy(), _native_layers(m), m.lm_head.native is not None,
+        for layer in m.layers:  # the same ops module by module
+            layer.all_native = False
+        modules = _logits(m, IDS)
+        report(out, "ok", rank, (logits.numpy(), modules.numpy(), _native_layers(m), m.lm_head.native is not None,
                                  m.embed_tokens.native is not None))
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -120,14 +137,23 @@ def _rank_main(rank, world, port, model_dir, out):
 
 @pytest.mark.parametrize("tp_size", [2, 3])
 def test_tp_model_on_blocks_gives_the_tp1_logits(tp_ggufs, tp_size):
+    """Every rank gets the TP = 1 model's logits (within 1e-5: the row-parallel sums split at other
+    points), and the C++ layer's halves with the all-reduces between them give the modules' bits."""
     ref_model = load_model(tp_ggufs[0], dtype=torch.float32, weights="native")
     assert _native_layers(ref_model) == 8
     ref = _logits(ref_model, IDS)
-    replies = spawn_ranks(_rank_main, tp_size, (tp_ggufs[0],), 180.0, "native TP")
-    for rank, (logits, n_native, head, embed) in replies.items():
+    replies = spawn_ranks(_rank_main, tp_size, (tp_ggufs[0], torch.float32), 180.0, "native TP")
+    for rank, (logits, modules, n_native, head, embed) in replies.items():
         assert n_native == 8 and head and embed, f"rank {rank} dequantized a layer"
-        # every rank has the whole logits; the row-parallel sums split at other points than TP = 1's
         torch.testing.assert_close(torch.from_numpy(logits), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.from_numpy(logits), torch.from_numpy(modules))
+
+
+def test_tp_layer_halves_equal_the_modules_in_bfloat16(tp_ggufs):
+    replies = spawn_ranks(_rank_main, 2, (tp_ggufs[1], torch.bfloat16), 180.0, "native TP bf16")
+    for rank, (logits, modules, n_native, _, _) in replies.items():
+        assert n_native == 8
+        assert torch.equal(torch.from_numpy(logits), torch.from_numpy(modules)), f"rank {rank}"
 
 
 def test_speculative_greedy_at_tp2_on_blocks_equals_the_target(tp_ggufs):
@@ -143,3 +169,10 @@ def test_speculative_greedy_at_tp2_on_blocks_equals_the_target(tp_ggufs):
             outs[mode] = e.generate(prompt, params).token_ids
     assert outs["serial"] == outs["autoregressive"]
     assert len(outs["serial"]) == 24
+
+
+def test_layer_halves_check_their_shapes(tp_ggufs):
+    m = load_model(tp_ggufs[0], dtype=torch.float32, weights="native")
+    layer = m.layers[0].native_layer()
+    with pytest.raises(RuntimeError, match="o and residual must be"):
+        layer.mlp(torch.zeros(2, 64), torch.zeros(3, 64))

@@ -69,6 +69,20 @@ class NativeDecoderLayer {
                                              const at::Tensor& positions, const at::Tensor& cos_table,
                                              const at::Tensor& sin_table, const at::Tensor& mask,
                                              const c10::optional<at::Tensor>& slot_positions) const {
+    const auto dtype = x.scalar_type();
+    auto [o, res] = attention(x, residual, std::move(k_cache), std::move(v_cache), slots, positions, cos_table,
+                              sin_table, mask, slot_positions);
+    auto [down, res2] = mlp(o.to(dtype), res);
+    return {down.to(dtype), res2};
+  }
+
+  // The layer's first half up to o_proj: (o_proj's fp32 sums [n, hidden], x + residual). At TP > 1
+  // these are this rank's partial sums, all-reduced by the caller before the rounding to x's dtype.
+  std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                               at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                                               const at::Tensor& positions, const at::Tensor& cos_table,
+                                               const at::Tensor& sin_table, const at::Tensor& mask,
+                                               const c10::optional<at::Tensor>& slot_positions) const {
     TORCH_CHECK(x.dim() == 2, "NativeDecoderLayer: x must be [n, hidden], got ", x.sizes());
     const auto dtype = x.scalar_type();
     const int64_t n = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -81,13 +95,21 @@ class NativeDecoderLayer {
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
     const at::Tensor attn = tree_attention_cpu(q, k, v, std::move(k_cache), std::move(v_cache), slots, positions,
                                                cos_table, sin_table, mask, scale_, slot_positions);
-    const at::Tensor o = quant_linear_cpu(attn, o_.parts, o_.types).to(dtype);
-    auto [h2, res2] = rms_norm_cpu(o, res, ln2_, eps_);
+    return {quant_linear_cpu(attn, o_.parts, o_.types), res};
+  }
+
+  // The second half from o_proj's output o (rounded to the activation dtype, all-reduced at TP > 1):
+  // (down_proj's fp32 sums [n, hidden], o + residual); at TP > 1 partial sums, as above.
+  std::tuple<at::Tensor, at::Tensor> mlp(const at::Tensor& o, const at::Tensor& residual) const {
+    TORCH_CHECK(o.dim() == 2 && residual.sizes() == o.sizes(), "NativeDecoderLayer: o and residual must be [n, hidden], got ",
+                o.sizes(), " and ", residual.sizes());
+    const auto dtype = o.scalar_type();
+    auto [h2, res2] = rms_norm_cpu(o, residual, ln2_, eps_);
     const at::Tensor gu = quant_linear_cpu(h2, gate_up_.parts, gate_up_.types);
     const int64_t inter = gu.size(1) / 2;
     const at::Tensor act = silu_mul_simd() ? silu_mul_cpu(gu, dtype)
                                            : (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).to(dtype);
-    return {quant_linear_cpu(act, down_.parts, down_.types).to(dtype), res2};
+    return {quant_linear_cpu(act, down_.parts, down_.types), res2};
   }
 
  private:
@@ -124,6 +146,17 @@ None. Raises RuntimeError on inconsistent shapes.)doc")
 slots), slots / positions [n] int64, cos_table / sin_table [P, D] fp32, mask [n, S] bool, slot_positions
 [>= S] int64 or None (each cache slot's position; see tree_attention) -> (out, x + residual),
 both [n, hidden] in x's dtype: the layer's output and the residual stream for the next layer.)doc",
+           py::call_guard<py::gil_scoped_release>())
+      .def("attention", &NativeDecoderLayer::attention, py::arg("x"), py::arg("residual"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),
+           py::arg("mask"), py::arg("slot_positions") = py::none(),
+           R"doc(The layer up to o_proj, arguments as forward's -> (o_proj's float32 sums [n, hidden], x + residual
+in x's dtype). At TP > 1 the sums are this rank's partial ones: all-reduce them, round to x's dtype, call mlp.)doc",
+           py::call_guard<py::gil_scoped_release>())
+      .def("mlp", &NativeDecoderLayer::mlp, py::arg("o"), py::arg("residual"),
+           R"doc(The rest of the layer from o_proj's output o [n, hidden] (in the activation dtype) and the
+residual stream -> (down_proj's float32 sums [n, hidden], o + residual). forward = attention, the rounding,
+mlp, the rounding; at TP > 1 an all-reduce before each rounding.)doc",
            py::call_guard<py::gil_scoped_release>());
 }
 

@@ -111,19 +111,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         attn, mlp = self.self_attn, self.mlp
-        # every linear layer on GGUF blocks, TP = 1: the CPU runs the layer as one C++ call (built on
-        # first use); at TP > 1 the modules run, with their all-reduces
-        self.all_native = tp.size == 1 and all(lin.native is not None for lin in (attn.qkv_proj, attn.o_proj,
-                                                                                  mlp.gate_up_proj, mlp.down_proj))
+        # every linear layer on GGUF blocks: the CPU runs the layer as one C++ call (built on first
+        # use); at TP > 1 as two, each followed by its all-reduce
+        self.all_native = all(lin.native is not None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                  mlp.down_proj))
+        self.tp = tp
         self._native_layer = None
 
     def forward(self, x, residual, positions, rope, slots, mask, kv):
         """``x [n, hidden]`` (and the residual stream, None before the first layer) -> ``(out, x +
         residual)``; keys/values land in ``slots`` of ``kv = (k, v, slot positions or None)``."""
-        if self.all_native and ops.native_layer_twin(x):
-            return self.native_layer().forward(x, residual, kv[0], kv[1], slots, positions, rope.cos, rope.sin,
-                                               mask, kv[2])
-        return self.forward_modules(x, residual, positions, rope, slots, mask, kv)
+        if not (self.all_native and ops.native_layer_twin(x)):
+            return self.forward_modules(x, residual, positions, rope, slots, mask, kv)
+        layer = self.native_layer()
+        args = (kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, kv[2])
+        if self.tp.size == 1:
+            return layer.forward(x, residual, *args)
+        # the rows' float32 partial sums, summed in rank order, rounded once (as RowParallelLinear)
+        o, residual = layer.attention(x, residual, *args)
+        out, residual = layer.mlp(self.tp.all_reduce(o).to(x.dtype), residual)
+        return self.tp.all_reduce(out).to(x.dtype), residual
 
     def native_layer(self):
         """The C++ layer over this layer's weights (:func:`swiftspec.ops.native_decoder_layer`). It

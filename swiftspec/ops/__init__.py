@@ -288,7 +288,9 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
     ``qkv``, ``o``, ``gate_up``, ``down``: :class:`swiftspec.layers.gguf.GGUFWeight` (their parts
     are referenced, not copied). Its ``forward(x [n, H], residual [n, H] | None, k_cache, v_cache,
     slots, positions, cos_table, sin_table, mask, slot_positions=None)`` returns ``(out, x + residual)``
-    in x's dtype (``slot_positions``: see :func:`tree_attention`).
+    in x's dtype (``slot_positions``: see :func:`tree_attention`); at TP > 1 its two halves,
+    ``attention`` (same arguments) and ``mlp(o, residual)``, return o_proj's and down_proj's float32
+    partial sums for the caller to all-reduce and round.
     Use it only where :func:`native_layer_twin` holds. Raises RuntimeError on inconsistent shapes.
     """
     blocks = []
