@@ -19,6 +19,7 @@ from swiftspec.models.llama import load_model
 from swiftspec.ops import quant
 from swiftspec.parallel import TPContext
 from tests.test_loader import make_gguf
+from tests.trees import assert_tree_equals_path
 
 IDS = [5, 17, 33, 2, 90, 41, 7, 7, 12, 60, 3, 99]
 
@@ -125,6 +126,9 @@ def _rank_main(rank, world, port, model_dir, dtype, out):
         (ctx,) = init_world(rank, world, port, [list(range(world))], timeout_s=30.0, shm_comm=rank >= 0)
         m = load_model(model_dir, tp=ctx, dtype=dtype, weights="native")
         logits = _logits(m, IDS)
+        # batch invariance at TP > 1: a verification tree's nodes equal the same tokens decoded alone
+        # (every rank runs the same forwards; tree 0 -> {1, 2}, 2 -> 3)
+        assert_tree_equals_path(m, IDS, [41, 8, 100, 7], [-1, 0, 0, 2], [0, 2, 3], capacity=64)
         for layer in m.layers:  # the same ops module by module
             layer.all_native = False
         modules = _logits(m, IDS)
@@ -138,7 +142,8 @@ def _rank_main(rank, world, port, model_dir, dtype, out):
 @pytest.mark.parametrize("tp_size", [2, 3])
 def test_tp_model_on_blocks_gives_the_tp1_logits(tp_ggufs, tp_size):
     """Every rank gets the TP = 1 model's logits (within 1e-5: the row-parallel sums split at other
-    points), and the C++ layer's halves with the all-reduces between them give the modules' bits."""
+    points), a verification tree's nodes the bits of their tokens decoded alone, and the C++
+    layer's halves with the all-reduces between them the modules' bits."""
     ref_model = load_model(tp_ggufs[0], dtype=torch.float32, weights="native")
     assert _native_layers(ref_model) == 8
     ref = _logits(ref_model, IDS)
