@@ -77,6 +77,25 @@ def test_equals_column_counts_prompts_and_says_na_without_reference():
     assert _equals([_rec("a", "qa", 1.0, match=None)]) == "n/a"  # no autoregressive run: no claim
 
 
+def test_each_system_is_compared_with_the_target_at_its_tp_degree():
+    from types import SimpleNamespace
+
+    from swiftspec.benchmark.e2e import reference_system
+
+    eng = lambda mode, tp: SimpleNamespace(shape={"mode": mode, "target_tp": tp})  # noqa: E731
+    systems = {"autoregressive": eng("autoregressive", 1), "swiftspec-serial": eng("serial", 1),
+               "swiftspec-profiled[ar-tp2]": eng("autoregressive", 2), "swiftspec-profiled[s-tp2]": eng("serial", 2),
+               "swiftspec-profiled[s-tp3]": eng("serial", 3), "llama-cpp": object()}
+    outs = dict.fromkeys(systems)
+    assert reference_system("swiftspec-serial", systems, outs) == "autoregressive"
+    assert reference_system("llama-cpp", systems, outs) == "autoregressive"
+    assert reference_system("swiftspec-profiled[s-tp2]", systems, outs) == "swiftspec-profiled[ar-tp2]"
+    assert reference_system("swiftspec-profiled[ar-tp2]", systems, outs) == "swiftspec-profiled[ar-tp2]"
+    assert reference_system("swiftspec-profiled[s-tp3]", systems, outs) is None  # no target at TP 3 ran: n/a
+    del outs["autoregressive"]
+    assert reference_system("swiftspec-serial", systems, outs) is None
+
+
 def test_tables_and_chart(tmp_path):
     recs = [_rec("autoregressive", "humaneval", 5.0), _rec("autoregressive", "humaneval", 5.0),
             _rec("swiftspec-async", "humaneval", 10.0, 3.5), _rec("swiftspec-async", "humaneval", 12.5, 3.9),

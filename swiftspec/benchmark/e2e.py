@@ -16,7 +16,9 @@ the same engines with the compiled kernels off (PyTorch ops and gloo only): the 
 Every system is started once; prompts are interleaved (prompt i runs on every system before
 prompt i+1) and never run concurrently, so all systems see the same machine state. Greedy
 decoding; ``matches_target`` says whether a system's tokens equal the ``autoregressive`` ones
-(same weights and dtype; peers with their own numerics may differ at near-ties). Output: a
+(same weights and dtype; peers with their own numerics may differ at near-ties), for an engine
+whose target runs at TP > 1 those of an autoregressive engine at that TP degree if one ran
+(``reference`` names the system compared with; see :func:`reference_system`). Output: a
 markdown table in the layout of the paper's Table 6 (compression ratio per dataset next to the
 paper's), a PNG bar chart like its Figure 7, and with ``--json`` one JSON list of records.
 """
@@ -148,7 +150,7 @@ class EngineSystem:
         self.system = system
         c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)
         t = c.tree_params()
-        self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d}
+        self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d, "target_tp": c.target_tp}
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
@@ -280,6 +282,18 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
             raise RuntimeError("llama-cpp-spec needs the draft's GGUF file (--draft-gguf)")
         return LlamaCppPeer(gguf, threads=len(cores), n_ctx=n_ctx, draft_gguf=draft, draft_tokens=4)
     raise ValueError(system)
+
+
+def reference_system(s: str, systems: dict, outs: dict) -> str | None:
+    """The system whose tokens are ``s``'s "target": ``autoregressive`` (the target alone at TP = 1),
+    or for an engine whose target runs at TP > 1 an autoregressive engine at that TP degree
+    (its row-parallel sums round at other points than TP = 1's, so in bf16 its greedy output may
+    differ from TP = 1's at near-ties); None where that reference did not run."""
+    tp = getattr(systems.get(s), "shape", {}).get("target_tp", 1)
+    if tp == 1:
+        return "autoregressive" if "autoregressive" in outs else None
+    return next((r for r in outs if getattr(systems.get(r), "shape", {}).get("mode") == "autoregressive"
+                 and systems[r].shape.get("target_tp") == tp), None)
 
 
 def _equals(rs: list[dict]) -> str:
@@ -459,16 +473,17 @@ def run(args: argparse.Namespace) -> list[dict]:
                     print(f"swiftspec bench: {s} failed on a {ds} prompt ({len(ids)} tokens) and is dropped from "
                           f"the remaining prompts: {type(e).__name__}: {e}", file=sys.stderr)
                     systems.pop(s).close()
-            ref = outs.get("autoregressive", (None,))[0] if ranks is None else None  # replayed: not the target's
             if args.record_trace and "autoregressive" in outs:
                 targets.append((ds, ids, outs["autoregressive"][0]))
             for s, (toks, m) in outs.items():
+                ref = None if ranks is not None else reference_system(s, systems, outs)  # replayed: not the target's
                 records.append({"system": s, "dataset": ds, "dtype": dtype, "device": args.device,
                                 "replayed": ranks is not None, "num_tokens": m.num_tokens,
                                 "decode_s": m.decode_s, "tokens_per_s": m.tokens_per_s,
                                 "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
-                                "matches_target": None if ref is None else toks == ref,
+                                "matches_target": None if ref is None else toks == outs[ref][0],
+                                "reference": ref,
                                 "draft_stalls": m.draft.get("stall_expansions"),
                                 "target_wait_s": m.target.get("wait_s"), **_busy_record(m), **_pipeline_record(m),
                                 **({"engine": systems[s].shape} if isinstance(systems.get(s), EngineSystem) else {})})
