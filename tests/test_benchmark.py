@@ -82,18 +82,24 @@ def test_each_system_is_compared_with_the_target_at_its_tp_degree():
 
     from swiftspec.benchmark.e2e import reference_system
 
-    eng = lambda mode, tp: SimpleNamespace(shape={"mode": mode, "target_tp": tp})  # noqa: E731
-    systems = {"autoregressive": eng("autoregressive", 1), "swiftspec-serial": eng("serial", 1),
-               "swiftspec-profiled[ar-tp2]": eng("autoregressive", 2), "swiftspec-profiled[s-tp2]": eng("serial", 2),
-               "swiftspec-profiled[s-tp3]": eng("serial", 3), "llama-cpp": object()}
+    eng = lambda mode, tp, w="native": SimpleNamespace(shape={"mode": mode, "target_tp": tp, "weights": w})  # noqa: E731
+    systems = {"swiftspec-profiled[ar]": eng("autoregressive", 1), "autoregressive": eng("autoregressive", 1),
+               "swiftspec-serial": eng("serial", 1), "swiftspec-profiled[ar-tp2]": eng("autoregressive", 2),
+               "swiftspec-profiled[s-tp2]": eng("serial", 2), "swiftspec-profiled[s-tp3]": eng("serial", 3),
+               "swiftspec-serial-dequantized": eng("serial", 1, "float32"), "llama-cpp": object()}
     outs = dict.fromkeys(systems)
     assert reference_system("swiftspec-serial", systems, outs) == "autoregressive"
+    assert reference_system("swiftspec-profiled[ar]", systems, outs) == "autoregressive"
     assert reference_system("llama-cpp", systems, outs) == "autoregressive"
     assert reference_system("swiftspec-profiled[s-tp2]", systems, outs) == "swiftspec-profiled[ar-tp2]"
-    assert reference_system("swiftspec-profiled[ar-tp2]", systems, outs) == "swiftspec-profiled[ar-tp2]"
-    assert reference_system("swiftspec-profiled[s-tp3]", systems, outs) is None  # no target at TP 3 ran: n/a
+    # never its own reference; no target at TP 3 or on dequantized weights ran: n/a
+    assert reference_system("autoregressive", systems, outs) == "swiftspec-profiled[ar]"
+    assert reference_system("swiftspec-profiled[ar-tp2]", systems, outs) is None
+    assert reference_system("swiftspec-profiled[s-tp3]", systems, outs) is None
+    assert reference_system("swiftspec-serial-dequantized", systems, outs) is None
     del outs["autoregressive"]
-    assert reference_system("swiftspec-serial", systems, outs) is None
+    assert reference_system("swiftspec-serial", systems, outs) == "swiftspec-profiled[ar]"
+    assert reference_system("llama-cpp", systems, outs) is None
 
 
 def test_tables_and_chart(tmp_path):
@@ -174,7 +180,10 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
     assert [(r["engine"]["mode"], r["engine"]["bs"], r["engine"]["d"]) for r in by["swiftspec-profiled[deep]"]] == [
         ("serial", 4, 2)] * 2
     assert {r["engine"]["bs"] for r in by["swiftspec-profiled[shallow]"]} == {2}
-    assert all(r["matches_target"] for rs in by.values() for r in rs)  # lossless whatever the shape
+    # lossless whatever the shape; the target itself is compared with nothing ("n/a")
+    assert all(r["matches_target"] and r["reference"] == "autoregressive"
+               for s, rs in by.items() if s != "autoregressive" for r in rs)
+    assert all(r["matches_target"] is None and r["reference"] is None for r in by["autoregressive"])
     for r in recs:  # each model's busy time and forwards (the component table's host-overhead column)
         assert r["target_forwards"] >= 1 and 0 < r["target_busy_s"] <= r["decode_s"] + r["ttft_s"]
         assert ("draft_forwards" in r) == (r["system"] != "autoregressive")

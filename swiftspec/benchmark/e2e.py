@@ -150,7 +150,8 @@ class EngineSystem:
         self.system = system
         c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)
         t = c.tree_params()
-        self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d, "target_tp": c.target_tp}
+        self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d, "target_tp": c.target_tp,
+                      "weights": c.weights}
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
@@ -285,15 +286,19 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
 
 
 def reference_system(s: str, systems: dict, outs: dict) -> str | None:
-    """The system whose tokens are ``s``'s "target": ``autoregressive`` (the target alone at TP = 1),
-    or for an engine whose target runs at TP > 1 an autoregressive engine at that TP degree
-    (its row-parallel sums round at other points than TP = 1's, so in bf16 its greedy output may
-    differ from TP = 1's at near-ties); None where that reference did not run."""
-    tp = getattr(systems.get(s), "shape", {}).get("target_tp", 1)
-    if tp == 1:
+    """The system whose tokens are ``s``'s "target": for an engine, an autoregressive engine with
+    the same target TP degree and weights (at TP > 1 the row-parallel sums round at other points
+    than TP = 1's, so in bf16 greedy output may differ from TP = 1's at near-ties; dequantized
+    weights are another model), ``autoregressive`` first; for a peer, ``autoregressive``. None
+    (the table's "n/a") where no such system ran, and for the reference itself: no system is
+    compared with its own output."""
+    shape = getattr(systems.get(s), "shape", None)
+    if shape is None:
         return "autoregressive" if "autoregressive" in outs else None
-    return next((r for r in outs if getattr(systems.get(r), "shape", {}).get("mode") == "autoregressive"
-                 and systems[r].shape.get("target_tp") == tp), None)
+    key = (shape.get("target_tp", 1), shape.get("weights", "native"))
+    same = [r for r in outs if r != s and getattr(systems.get(r), "shape", {}).get("mode") == "autoregressive"
+            and (systems[r].shape.get("target_tp", 1), systems[r].shape.get("weights", "native")) == key]
+    return min(same, key=lambda r: r != "autoregressive", default=None)
 
 
 def _equals(rs: list[dict]) -> str:
