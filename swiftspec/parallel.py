@@ -80,9 +80,16 @@ class TPContext:
         """Concatenate every rank's ``x`` along the last dimension, in rank order.
 
         Shapes: ``x`` is ``[..., n]`` on every rank; the result is ``[..., size * n]``.
+        With a CPU ``shm`` it is an all-reduce of ``x`` placed in a zero buffer (adding zeros keeps every
+        value, -0.0 aside; 0.2 ms against gloo's 0.4-0.7 for a 1-row LM head of 2 x 76k logits).
         """
         if self.size == 1:
             return x
+        if self.shm is not None and x.device.type == "cpu":
+            n = x.shape[-1]
+            out = x.new_zeros(*x.shape[:-1], self.size * n)
+            out[..., self.rank * n:(self.rank + 1) * n] = x
+            return self.shm.all_reduce(out)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)

@@ -133,6 +133,22 @@ def _prog_model(ctx, model_dir):
     return out
 
 
+def _prog_gather(ctx):
+    """all_gather_last_dim with the communicator and over gloo: the same bits (LM-head logits, with
+    the -inf of padded vocabulary entries)."""
+    gloo = dataclasses.replace(ctx, shm=None)
+    out = []
+    for rows, n in ((1, 5), (3, 1000), (8, 20000)):
+        g = torch.Generator().manual_seed(rows * 31 + ctx.rank)
+        x = torch.randn(rows, n, generator=g) * 10
+        x[:, -2:] = float("-inf")
+        before = ctx.shm.epoch
+        a = ctx.all_gather_last_dim(x)
+        out.append((torch.equal(a, gloo.all_gather_last_dim(x)), ctx.shm.epoch > before, tuple(a.shape)))
+    ctx.shm.close()
+    return out
+
+
 def _prog_failures(ctx, q):
     """A peer that never calls (timeout), that closed its communicator, that exited."""
     from swiftspec.comm import ShmCommunicator
@@ -241,6 +257,14 @@ def test_tp2_model_equals_gloo(tiny_dir):
     assert torch.equal(dense.argmax(-1), dense_g.argmax(-1))
     assert (q - q_g).abs().max() < 1e-4 * q_g.abs().max()
     assert torch.equal(replies[1]["shm"][0], dense), "ranks disagree"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_over_shm_equals_gloo(world):
+    for rank, results in _run_world(world, "gather").items():
+        for same, used, shape in results:
+            assert same and used, f"rank {rank} {shape}"
+            assert shape[1] % world == 0
 
 
 def test_dead_or_silent_peer_raises():
