@@ -157,12 +157,15 @@ def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecke
 
 def _prefill_both(draft: DraftState, target: TargetState, req: Request, sampler: Sampler, stop: StopChecker,
                   emit) -> bool:
-    """Prefill both models and root the draft's tree at the target's first token; False when
-    that token already ended the request."""
-    draft.prefill(req.prompt_ids)
+    """Prefill the target, emit its first token, then prefill the draft and root its tree at that
+    token; False (the draft never prefilled) when that token already ended the request. The
+    target goes first so the first token waits for the target's prefill only, not the draft's too
+    (both share the cores here: the draft's prefill moves from the time to first token into the
+    decode time, the last token comes no later)."""
     first = _prefill_target(target, req, sampler, stop, emit)
     if stop.reason:
         return False
+    draft.prefill(req.prompt_ids)
     draft.start(first)
     return True
 
