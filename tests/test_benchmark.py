@@ -383,7 +383,7 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
 
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's numbers of runs 13, 15, 16, 20, 24, 26 and 27 are those of their records."""
+    the README's numbers of runs 13, 15, 16, 20, 24, 26, 27, 28 and 29 are those of their records."""
     import importlib.util
     from pathlib import Path
 
@@ -410,16 +410,29 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
         tps, ratio = rows16[system]
         assert f"| {tps.strip()} | {ratio.strip()} |" in readme, system
-    rows28 = {}
-    for line in out["run28-zen5-avx512-6x5-shallow.json"].splitlines():  # tokens/s, TTFT
-        cells = line.split("|")
-        if line.startswith("| ") and len(cells) > 11:
-            rows28.setdefault(cells[1].strip(), (cells[8].strip(), cells[10].strip()))
+    rows = {}
+    for run in (28, 29):
+        for line in out[f"run{run}-zen5-avx512-6x5-shallow.json"].splitlines():  # tokens/s, TTFT
+            cells = line.split("|")
+            if line.startswith("| ") and len(cells) > 11:
+                rows.setdefault((run, cells[1].strip()), (cells[8].strip(), cells[10].strip()))
     for system, label in (("swiftspec-profiled", "SwiftSpec `serial`, bs 2, d 1"), ("autoregressive", "our `autoregressive`"),
                           ("llama-cpp", "llama.cpp on the same GGUF")):
-        tps, ttft = rows28[system]
+        tps, ttft = rows[29, system]
         assert any(line.startswith(f"| {label}") and f"| {tps} |" in line and f"| {ttft} |" in line
                    for line in readme.splitlines()), system
+    flat = " ".join(readme.split())
+    assert (f"{rows[28, 'swiftspec-profiled'][0]} tokens/s for the default mode (1.58x llama.cpp's "
+            f"{rows[28, 'llama-cpp'][0]}), {rows[28, 'autoregressive'][0]} for `autoregressive` (1.26x), TTFT "
+            f"{rows[28, 'swiftspec-profiled'][1]} / {rows[28, 'autoregressive'][1]} / {rows[28, 'llama-cpp'][1]} s") in flat
+    # run 29's whole-request ratio: tokens over time to first token plus decode time
+    recs29 = json.loads((root / "bench" / "results" / "run29-zen5-avx512-6x5-shallow.json").read_text())["records"]
+
+    def whole(system):
+        rs = [r for r in recs29 if r["system"] == system]
+        return sum(r["num_tokens"] for r in rs) / sum(r["ttft_s"] + r["decode_s"] for r in rs)
+
+    assert f"the default mode is {whole('swiftspec-profiled') / whole('llama-cpp'):.2f}x llama.cpp in this run" in flat
     rows24 = {}
     for line in out["run24-zen5-avx512-final-6x5-shallow.json"].splitlines():
         if line.startswith("| "):
