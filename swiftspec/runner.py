@@ -59,12 +59,10 @@ class ModelRunner:
         if self.device.type == "cuda" and stream_priority is not None:
             self.stream = torch.cuda.Stream(self.device, priority=stream_priority)
         # tree nodes sit up to one tree depth past the cache slots they are stored in
-        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights,
-                                device=self.device, stage=stage)
-        if quant == "int8":
-            self.model.quantize_int8_()
-        elif quant not in (None, "none"):
+        if quant not in (None, "none", "int8"):
             raise ValueError(f"unknown quantization {quant!r}; use 'int8' or None")
+        self.model = load_model(model_dir, tp, dtype, max_positions=capacity + 1024, weights=weights,
+                                device=self.device, stage=stage, int8=quant == "int8")
         self.logits_vocab = logits_vocab
         self.cfg = self.model.cfg
         self.kv = self.model.make_kv_cache(capacity, self.device, track_positions)

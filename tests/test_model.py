@@ -110,9 +110,43 @@ def test_int8_draft_and_vocab_limit(tiny_dir):
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     h = m(torch.tensor(ids), pos, pos, mask, m.make_kv_cache(64))
     assert torch.allclose(m.compute_logits(h, vocab_limit=50), m.compute_logits(h)[:, :50], atol=1e-5)
-    m.quantize_int8_()
-    hq = m(torch.tensor(ids), pos, pos, mask, m.make_kv_cache(64))
-    q = m.compute_logits(hq)
+    mq = load_model(tiny_dir, dtype=torch.float32, int8=True)
+    assert mq.layers[0].mlp.down_proj.weight is None and mq.layers[0].mlp.down_proj.int8 is not None
+    assert mq.lm_head.int8 is not None and mq.embed_tokens.weight is not None  # the embedding stays float
+    hq = mq(torch.tensor(ids), pos, pos, mask, mq.make_kv_cache(64))
+    q = mq.compute_logits(hq)
     assert q.shape == full.shape
     assert (q - full).abs().max() / full.abs().max() < 0.05
     assert (q.argmax(-1) == full.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 3])
+def test_int8_layers_hold_the_whole_rows_quantization(tiny_dir, tp_size):
+    """int8 is a format chosen when the model is built: every linear layer and the (tied) LM head
+    hold an Int8Weight and no float weight; each rank's values and scales are the TP = 1 layer's
+    slices of the whole rows' quantization (rank's shard of columns, scales of whole rows)."""
+    from swiftspec.layers.linear import LinearBase, RowParallelLinear
+    from swiftspec.layers.quant import quantize_int8
+    from swiftspec.parallel import TPContext
+
+    for rank in range(tp_size):
+        tp = TPContext(rank=rank, size=tp_size)  # loading a rank needs no collective
+        f = load_model(tiny_dir, tp=tp, dtype=torch.float32)
+        q = load_model(tiny_dir, tp=tp, dtype=torch.float32, int8=True)
+        full = load_model(tiny_dir, dtype=torch.float32) if tp_size > 1 else f
+        for (name, lf), lq in zip(((n, m) for n, m in f.named_modules() if isinstance(m, LinearBase)),
+                                  (m for m in q.modules() if isinstance(m, LinearBase))):
+            assert lq.weight is None and lq.int8 is not None, name
+            if isinstance(lf, RowParallelLinear):  # whole rows quantized, then this rank's columns
+                qw, s = quantize_int8(full.get_submodule(name).weight.data)
+                want = torch.zeros_like(lq.int8.qweight)
+                keep = (lf.in_index >= 0).nonzero().squeeze(1)
+                want[:, keep] = qw[:, lf.in_index[keep]]
+            else:  # rows are whole on every rank
+                want, s = quantize_int8(lf.weight.data)
+            real = lf.weight.data.abs().amax(1) > 0  # padded rows: zero values, any scale
+            assert torch.equal(lq.int8.qweight, want) and torch.equal(lq.int8.scales[real], s[real]), name
+        head_q, head_s = quantize_int8(f.embed_tokens.weight.data)  # tied: the head quantizes the embedding
+        assert q.cfg.tie_word_embeddings and q.embed_tokens.weight is not None
+        n = min(q.lm_head.shard, q.cfg.vocab_size - q.lm_head.start)
+        assert torch.equal(q.lm_head.int8.qweight[:n], head_q[:n]) and torch.equal(q.lm_head.int8.scales[:n], head_s[:n])

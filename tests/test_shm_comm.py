@@ -126,7 +126,7 @@ def _prog_model(ctx, model_dir):
         before = ctx.shm.epoch
         dense = m.compute_logits(m(torch.tensor(ids), pos, pos, mask, m.make_kv_cache(32)))
         used = ctx.shm.epoch - before
-        m.quantize_int8_()
+        m = load_model(model_dir, tp=tp, dtype=torch.float32, int8=True)
         q = m.compute_logits(m(torch.tensor(ids), pos, pos, mask, m.make_kv_cache(32)))
         out[name] = (dense, q, used)
     ctx.shm.close()

@@ -36,9 +36,8 @@ def _rank_main(rank, world, port, jobs, out):
         results = []
         for model_dir in jobs:
             m = load_model(model_dir, tp=ctx, dtype=torch.float32)
-            dense = _logits(m, IDS)
-            m.quantize_int8_()
-            results.append((dense.numpy(), _logits(m, IDS).numpy(), m.num_kv_heads_local))
+            q = load_model(model_dir, tp=ctx, dtype=torch.float32, int8=True)
+            results.append((_logits(m, IDS).numpy(), _logits(q, IDS).numpy(), m.num_kv_heads_local))
         report(out, "ok", rank, results if rank == 0 else None)
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -54,9 +53,8 @@ def _run_tp(tp, jobs):
 
 def _tp1(model_dir):
     m = load_model(model_dir, dtype=torch.float32)
-    dense = _logits(m, IDS)
-    m.quantize_int8_()
-    return dense, _logits(m, IDS), m.num_kv_heads_local
+    q = load_model(model_dir, dtype=torch.float32, int8=True)
+    return _logits(m, IDS), _logits(q, IDS), m.num_kv_heads_local
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from torch import nn
 
 from swiftspec import ops
 from swiftspec.layers.gguf import GGUFWeight
-from swiftspec.layers.quant import quantize_int8
+from swiftspec.layers.quant import Int8Weight
 from swiftspec.ops import quant
 from swiftspec.parallel import LOCAL, PAD, TPContext
 
@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
     interleave_blocks = False
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = LOCAL, dtype=torch.float32,
-                 gguf_type: int | None = None):
+                 gguf_type: int | None = None, float_table: bool = True):
         super().__init__()
         self.tp = tp
         self.dtype = dtype
@@ -43,6 +43,9 @@ class VocabParallelEmbedding(nn.Module):
             self.native = GGUFWeight(hidden_size, [self.shard], [gguf_type],
                                      interleave=ops.quant_interleave_rows() if self.interleave_blocks else 0,
                                      row_index=[rows.masked_fill(rows >= vocab_size, PAD)] if tp.size > 1 else None)
+            self.register_parameter("weight", None)
+            return
+        if not float_table:  # a head on another format (int8) that keeps no float table of its own
             self.register_parameter("weight", None)
             return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
@@ -70,6 +73,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """``[n, hidden] -> [n, V]`` float32 logits; shares its table with the embedding when tied.
+    With ``int8`` (a draft's head on a float checkpoint) it holds an :class:`Int8Weight` instead.
 
     ``limit`` computes only the logits of ids ``[0, limit)`` (a draft restricted to the most
     frequent tokens, FR-Spec style: BPE vocabularies put frequent merges first), which cuts the
@@ -78,16 +82,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     interleave_blocks = True
 
-    def quantize_int8_(self, keep_float: bool) -> None:
-        """Int8 weight-only LM head; ``keep_float`` keeps the float table (tied embeddings).
-        GGUF block tables stay as they are."""
-        if self.native is not None:
-            return
-        q, scales = quantize_int8(self.weight.data)
-        if not keep_float:
-            del self.weight
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = LOCAL, dtype=torch.float32,
+                 gguf_type: int | None = None, int8: bool = False):
+        super().__init__(vocab_size, hidden_size, tp, dtype, gguf_type, float_table=not int8)
+        # int8 (where the table is not GGUF blocks): the head multiplies int8 rows quantized as they
+        # load (from the embedding's table when tied: the embedding keeps its float rows)
+        self.int8: Int8Weight | None = None
+        if int8 and self.native is None:
+            self.int8 = Int8Weight(self.shard, hidden_size, dtype, self.weight_loader)
 
     def forward(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         v = self.vocab_size if limit is None else min(limit, self.vocab_size)
@@ -101,8 +103,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             n = min(-(-n_local // g) * g, self.shard)
             y = ops.quant_linear(h, [nat.parts[0][:n]], nat.types, lambda: [nat.dequantized()[0][:n]])
             logits = y if n == n_local else y[:, :n_local]
-        elif hasattr(self, "qweight"):
-            logits = ops.int8_linear(h, self.qweight[:n_local], self.scales[:n_local]).float()
+        elif self.int8 is not None:
+            logits = ops.int8_linear(h, self.int8.qweight[:n_local], self.int8.scales[:n_local]).float()
         else:
             # rows [0, n_local) of the row-major [shard, hidden] table: a contiguous weight
             logits = ops.linear(h, self.weight[:n_local]).float()

@@ -21,7 +21,7 @@ from torch import nn
 
 from swiftspec import ops
 from swiftspec.layers.gguf import GGUFWeight
-from swiftspec.layers.quant import quantize_int8
+from swiftspec.layers.quant import Int8Weight
 from swiftspec.parallel import LOCAL, PAD, TPContext, take_shard
 
 
@@ -119,23 +119,30 @@ def gqa_head_layout(num_heads: int, num_kv_heads: int, tp_size: int
 class LinearBase(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W`` of shape ``[out_local, in_local]``.
 
-    The weight format is fixed when the layer is built: a float ``weight`` in the model's dtype,
+    The weight format is fixed when the layer is built: a float ``weight`` in the model's dtype;
     or, with ``gguf_types`` (one ggml type per part of ``part_sizes`` rows), a
     :class:`GGUFWeight` in ``self.native`` that keeps the checkpoint's blocks (``weight`` is None);
     at TP > 1 it holds this rank's rows (``row_index``, per part) or whole blocks of its input
-    features (``k_index``) of them, as :class:`GGUFWeight` describes.
+    features (``k_index``) of them, as :class:`GGUFWeight` describes; or, with ``int8`` (and no
+    ``gguf_types``), an :class:`Int8Weight` in ``self.int8`` (``weight`` is None) that quantizes
+    the checkpoint's rows as they load.
     """
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPContext, dtype: torch.dtype,
                  gguf_types: list[int] | None = None, part_sizes: list[int] | None = None,
-                 row_index: list[torch.Tensor | None] | None = None, k_index: torch.Tensor | None = None):
+                 row_index: list[torch.Tensor | None] | None = None, k_index: torch.Tensor | None = None,
+                 int8: bool = False):
         super().__init__()
         self.tp = tp
         self.native: GGUFWeight | None = None
+        self.int8: Int8Weight | None = None
         if gguf_types is not None:
             self.native = GGUFWeight(in_local, part_sizes or [out_local], gguf_types, interleave=ops.quant_interleave_rows(),
                                      row_index=row_index if tp.size > 1 else None,
                                      k_index=k_index if tp.size > 1 else None)
+            self.register_parameter("weight", None)
+        elif int8:
+            self.int8 = Int8Weight(out_local, in_local, dtype, self.weight_loader)
             self.register_parameter("weight", None)
         else:
             self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
@@ -149,16 +156,6 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def quantize_int8_(self) -> None:
-        """Replace the weight by int8 values plus per-row scales (weight-only quantization);
-        GGUF block weights stay as they are."""
-        if self.native is not None:
-            return
-        q, scales = quantize_int8(self.weight.data)
-        del self.weight
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` with whichever weight this layer holds (no communication).
 
@@ -169,8 +166,8 @@ class LinearBase(nn.Module):
         if self.native is not None:  # float32 sums; the bias before the one rounding
             y = self.native.matmul(x)
             return (y if bias is None else y + bias.float()).to(x.dtype)
-        if hasattr(self, "qweight"):
-            y = ops.int8_linear(x, self.qweight, self.scales)
+        if self.int8 is not None:
+            y = ops.int8_linear(x, self.int8.qweight, self.int8.scales)
             return y if bias is None else y + bias
         return ops.linear(x, self.weight, bias)
 
@@ -186,9 +183,10 @@ class ColumnParallelLinear(LinearBase):
     """
 
     def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32,
-                 gguf_types: list[int] | None = None):
+                 gguf_types: list[int] | None = None, int8: bool = False):
         self.out_index = _even_index(out_features, tp)
-        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype, gguf_types, row_index=[self.out_index])
+        super().__init__(in_features, self.out_index.numel(), bias, tp, dtype, gguf_types, row_index=[self.out_index],
+                         int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_shard(param.data, loaded, self.out_index, 0)
@@ -205,11 +203,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features, output_sizes: list[int], bias=False, tp: TPContext = LOCAL,
                  dtype=torch.float32, gguf_types: list[int] | None = None,
-                 part_index: list[torch.Tensor] | None = None):
+                 part_index: list[torch.Tensor] | None = None, int8: bool = False):
         self.part_index = part_index or [_even_index(o, tp) for o in output_sizes]
         self.output_sizes = [i.numel() for i in self.part_index]
         LinearBase.__init__(self, in_features, sum(self.output_sizes), bias, tp, dtype, gguf_types,
-                            self.output_sizes, row_index=self.part_index)
+                            self.output_sizes, row_index=self.part_index, int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = self.output_sizes[shard_id]
@@ -228,7 +226,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp: TPContext = LOCAL,
-                 dtype=torch.float32, gguf_types: list[int] | None = None):
+                 dtype=torch.float32, gguf_types: list[int] | None = None, int8: bool = False):
         self.head_dim = head_dim
         q_heads, kv_heads = gqa_head_layout(num_heads, num_kv_heads, tp.size)
         self.q_heads, self.kv_heads = q_heads[tp.rank], kv_heads[tp.rank]
@@ -237,7 +235,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_index = _heads_to_features(self.kv_heads, head_dim)
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         LinearBase.__init__(self, hidden_size, q + 2 * kv, bias, tp, dtype, gguf_types, [q, kv, kv],
-                            row_index=[self.q_index, self.kv_index, self.kv_index])
+                            row_index=[self.q_index, self.kv_index, self.kv_index], int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
         q = self.q_index.numel()
@@ -258,35 +256,21 @@ class RowParallelLinear(LinearBase):
     ``in_index`` in whole blocks (:func:`swiftspec.layers.gguf.block_index`); their float32
     partial sums are all-reduced, then the bias is added and the sum rounded once to x's dtype.
 
-    Int8 quantization uses the per-row scales of the *whole* row (remembered at load time), so a
-    quantized layer gives the same values at every TP degree.
+    Int8 weights take the scales of *whole* checkpoint rows (:class:`Int8Weight` quantizes before
+    the shard is cut), so a quantized layer gives the same values at every TP degree.
     """
 
     def __init__(self, in_features, out_features, bias=False, tp: TPContext = LOCAL, dtype=torch.float32,
-                 in_index: torch.Tensor | None = None, gguf_types: list[int] | None = None):
+                 in_index: torch.Tensor | None = None, gguf_types: list[int] | None = None, int8: bool = False):
         self.in_index = _even_index(in_features, tp) if in_index is None else in_index
-        self.row_absmax: torch.Tensor | None = None
-        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype, gguf_types, k_index=self.in_index)
+        super().__init__(self.in_index.numel(), out_features, bias, tp, dtype, gguf_types, k_index=self.in_index,
+                         int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 1:  # bias: not sharded
+        if param.dim() == 1:  # bias (and int8 scales): not sharded
             param.data.copy_(loaded)
             return
         _copy_shard(param.data, loaded, self.in_index, 1)
-        if self.tp.size > 1:  # a rank sees only part of each row; quantize_int8_ needs all of it
-            self.row_absmax = torch.linalg.vector_norm(loaded, float("inf"), dim=1)
-
-    def quantize_int8_(self) -> None:
-        if self.row_absmax is None or self.native is not None:
-            return super().quantize_int8_()
-        # A column holding each row's global |max| makes quantize_int8 pick the scales the
-        # unsharded row gets (max is exact), so q and scales equal the TP = 1 slices bit for bit.
-        w = self.weight.data
-        q, scales = quantize_int8(torch.cat([w, self.row_absmax.to(w.device, w.dtype)[:, None]], dim=1))
-        del self.weight
-        self.register_buffer("qweight", q[:, :-1].contiguous())
-        self.register_buffer("scales", scales)
-        self.row_absmax = None
 
     def forward(self, x):
         if self.native is not None and self.tp.size == 1:  # nothing to reduce
@@ -294,7 +278,7 @@ class RowParallelLinear(LinearBase):
         if self.native is not None:  # float32 partial sums, summed in rank order; one rounding after the bias
             y = self.tp.all_reduce(self.native.matmul(x))
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        if hasattr(self, "qweight"):  # int8: the quantized GEMM, the all-reduce, the bias once
+        if self.int8 is not None:  # the quantized GEMM, the all-reduce, the bias once
             y = self.tp.all_reduce(self.matmul(x))
             return y if self.bias is None else y + self.bias
         return self.tp.gemm_all_reduce(x, self.weight, self.bias)

@@ -42,11 +42,11 @@ def _gguf_types(native: dict[str, int] | None, names: list[str]) -> list[int] | 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
-                 native: dict[str, int] | None = None):
+                 native: dict[str, int] | None = None, int8: bool = False):
         super().__init__()
         qkv = _gguf_types(native, [f"{prefix}.{p}_proj.weight" for p in "qkv"])
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.attention_bias, tp=tp, dtype=dtype, gguf_types=qkv)
+                                          bias=cfg.attention_bias, tp=tp, dtype=dtype, gguf_types=qkv, int8=int8)
         # o_proj's local input columns follow the (possibly padded) local query heads; at TP > 1 its
         # blocks stay only where those are whole blocks (else float, listed in `unsplit`)
         o = _gguf_types(native, [f"{prefix}.o_proj.weight"])
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         if o and tp.size > 1 and block_index(self.qkv_proj.q_index, quant.block_values(o[0])) is None:
             o, self.unsplit = None, [f"{prefix}.o_proj"]
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp,
-                                        dtype=dtype, in_index=self.qkv_proj.q_index, gguf_types=o)
+                                        dtype=dtype, in_index=self.qkv_proj.q_index, gguf_types=o, int8=int8)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -75,7 +75,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
-                 native: dict[str, int] | None = None):
+                 native: dict[str, int] | None = None, int8: bool = False):
         super().__init__()
         gate_up = _gguf_types(native, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
         down = _gguf_types(native, [f"{prefix}.down_proj.weight"])
@@ -88,26 +88,25 @@ class MLP(nn.Module):
                 down, self.unsplit = None, [f"{prefix}.down_proj"]
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
                                                        dtype=dtype, gguf_types=gate_up,
-                                                       part_index=None if split is None else [split, split])
+                                                       part_index=None if split is None else [split, split], int8=int8)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype,
-                                           in_index=split, gguf_types=down)
+                                           in_index=split, gguf_types=down, int8=int8)
 
     def forward(self, x):
         gate_up = self.gate_up_proj
         if gate_up.native is not None:  # fp32 sums, SiLU * up in fp32, one rounding
             return self.down_proj(ops.silu_and_mul(gate_up.native.matmul(x), x.dtype))
-        w = getattr(gate_up, "weight", None)  # None once quantized to int8
-        if w is not None and gate_up.bias is None:
-            return self.down_proj(ops.swiglu(x, w))
+        if gate_up.weight is not None and gate_up.bias is None:  # float weights: the fused SwiGLU
+            return self.down_proj(ops.swiglu(x, gate_up.weight))
         return self.down_proj(ops.silu_and_mul(gate_up(x)))  # int8 weights: quantized matmul, then SwiGLU
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
-                 native: dict[str, int] | None = None):
+                 native: dict[str, int] | None = None, int8: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg, tp, dtype, f"{prefix}.self_attn", native)
-        self.mlp = MLP(cfg, tp, dtype, f"{prefix}.mlp", native)
+        self.self_attn = Attention(cfg, tp, dtype, f"{prefix}.self_attn", native, int8)
+        self.mlp = MLP(cfg, tp, dtype, f"{prefix}.mlp", native, int8)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         attn, mlp = self.self_attn, self.mlp
@@ -171,6 +170,9 @@ class LlamaForCausalLM(nn.Module):
             whose tensors all have a quantized kernel keeps them (at TP > 1 this rank's rows or
             whole blocks of them; a row-parallel layer whose shard would cut a block stays float,
             named in its module's ``unsplit``), others are float.
+        int8: every linear layer and the LM head that would hold float weights holds int8
+            weight-only ones instead (:class:`~swiftspec.layers.quant.Int8Weight`, quantized as
+            they load; a draft model's option), the embedding stays float.
         stage: the decoder layers this model holds, ``range(start, stop)`` (a pipeline stage);
             default all. The first stage holds the embedding, the last the final norm and the
             LM head (and the embedding when they are tied); other layers are not built.
@@ -184,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None, native: dict[str, int] | None = None,
-                 stage: range | None = None):
+                 stage: range | None = None, int8: bool = False):
         super().__init__()
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
         self.stage = stage = range(cfg.num_layers) if stage is None else stage
@@ -196,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         if self.first or (self.last and cfg.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype,
                                                        embed[0] if embed else None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, f"model.layers.{i}", native) if i in stage
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, f"model.layers.{i}", native, int8) if i in stage
                                     else nn.Identity() for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                     cfg.rope_theta, cfg.rope_scaling)
@@ -205,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
             return
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         head = embed if cfg.tie_word_embeddings else _gguf_types(native, ["lm_head.weight"])
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, head[0] if head else None)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, head[0] if head else None, int8)
         if cfg.tie_word_embeddings:
             if embed:
                 self.lm_head.native = self.embed_tokens.native
@@ -256,15 +258,6 @@ class LlamaForCausalLM(nn.Module):
         with ``vocab_limit`` only ids ``[0, vocab_limit)``."""
         return self.lm_head(hidden, vocab_limit)
 
-    def quantize_int8_(self) -> None:
-        """Int8 weight-only quantization of every linear layer and the LM head (draft models)."""
-        from swiftspec.layers.linear import LinearBase
-
-        for mod in self.modules():
-            if isinstance(mod, LinearBase):
-                mod.quantize_int8_()
-        self.lm_head.quantize_int8_(keep_float=self.cfg.tie_word_embeddings)
-
     def native_weight(self, name: str) -> GGUFWeight | None:
         """The GGUF block weight that parameter ``name`` (ours, e.g. ``layers.0.mlp.down_proj.weight``)
         lives in, or None when that layer holds a float weight or there is no such layer."""
@@ -275,6 +268,17 @@ class LlamaForCausalLM(nn.Module):
         except AttributeError:
             return None
         return getattr(mod, "native", None)
+
+    def _int8_weight(self, name: str):
+        """The :class:`~swiftspec.layers.quant.Int8Weight` that checkpoint weight ``name`` (ours) loads
+        into, or None."""
+        if not name.endswith(".weight"):
+            return None
+        try:
+            mod = self.get_submodule(name.rsplit(".", 1)[0])
+        except AttributeError:
+            return None
+        return getattr(mod, "int8", None)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into this rank's shards.
@@ -290,12 +294,20 @@ class LlamaForCausalLM(nn.Module):
             name, shard_id = _param_name(name)
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
+            if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings and self.lm_head is not None \
+                    and self.lm_head.int8 is not None:  # a tied int8 head quantizes the embedding's rows
+                self.lm_head.int8.weight_loader(None, tensor)
             if name not in params:
-                native = self.native_weight(name)
-                if native is None:
+                prefix = name[:-len("weight")]
+                native, int8 = self.native_weight(name), self._int8_weight(name)
+                if native is not None:
+                    native.weight_loader(None, tensor, shard_id)
+                    loaded.add(f"{prefix}native.parts.{SHARD_PART[shard_id]}")
+                elif int8 is not None:
+                    int8.weight_loader(None, tensor, shard_id)
+                    loaded.update((f"{prefix}int8.qweight", f"{prefix}int8.scales"))
+                else:
                     raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
-                native.weight_loader(None, tensor, shard_id)
-                loaded.add(f"{name[:-len('weight')]}native.parts.{SHARD_PART[shard_id]}")
                 continue
             param = params[name]
             loader = getattr(param, "weight_loader", None)
@@ -337,13 +349,15 @@ def native_types(model_dir: str | Path) -> dict[str, int]:
 
 def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                max_positions: int | None = None, weights: str = "native",
-               device: torch.device | str = "cpu", stage: range | None = None) -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", stage: range | None = None,
+               int8: bool = False) -> LlamaForCausalLM:
     """Build the model described by ``model_dir/config.json`` and load this rank's weight shards.
 
     ``weights``: "native" keeps GGUF blocks with a quantized kernel as they are (at TP > 1 each
     rank's shard of them); layers without one, and at TP > 1 row-parallel layers whose shard would
     cut a block, are float in ``dtype``, with a one-line notice naming the block types or layers;
-    "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``.
+    "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``. ``int8``: the
+    layers that would hold float weights hold int8 weight-only ones (see :class:`LlamaForCausalLM`).
     ``stage``: only these decoder layers (a pipeline stage, see :class:`LlamaForCausalLM`); the
     checkpoint's other tensors are not read. The model is built and loaded on the host, then moved to ``device``; on CUDA GGUF blocks run
     dequantized in ``dtype`` (the quantized kernels are CPU kernels), with a one-line notice.
@@ -364,7 +378,7 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
               file=sys.stderr)
         native = {}
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native, stage)
+        model = LlamaForCausalLM(cfg, tp, dtype, max_positions, native, stage, int8=int8)
     native = {n: t for n, t in native.items() if _in_stage(model, n)}
     kept = {n for n in native if model.native_weight(_param_name(n)[0]) is not None}
     lacking = sorted({quant.ggml_name(t) for n, t in native.items()
