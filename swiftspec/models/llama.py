@@ -258,27 +258,21 @@ class LlamaForCausalLM(nn.Module):
         with ``vocab_limit`` only ids ``[0, vocab_limit)``."""
         return self.lm_head(hidden, vocab_limit)
 
-    def native_weight(self, name: str) -> GGUFWeight | None:
-        """The GGUF block weight that parameter ``name`` (ours, e.g. ``layers.0.mlp.down_proj.weight``)
-        lives in, or None when that layer holds a float weight or there is no such layer."""
+    def _weight_holder(self, name: str, kind: str):
+        """The ``kind`` ("native" or "int8") weight holder of the layer that parameter ``name`` (ours,
+        e.g. ``layers.0.mlp.down_proj.weight``) belongs to, or None (a float layer, no such layer)."""
         if not name.endswith(".weight"):
             return None
         try:
             mod = self.get_submodule(name.rsplit(".", 1)[0])
         except AttributeError:
             return None
-        return getattr(mod, "native", None)
+        return getattr(mod, kind, None)
 
-    def _int8_weight(self, name: str):
-        """The :class:`~swiftspec.layers.quant.Int8Weight` that checkpoint weight ``name`` (ours) loads
-        into, or None."""
-        if not name.endswith(".weight"):
-            return None
-        try:
-            mod = self.get_submodule(name.rsplit(".", 1)[0])
-        except AttributeError:
-            return None
-        return getattr(mod, "int8", None)
+    def native_weight(self, name: str) -> GGUFWeight | None:
+        """The GGUF block weight that parameter ``name`` (ours) lives in, or None when that layer
+        holds another format or there is no such layer."""
+        return self._weight_holder(name, "native")
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into this rank's shards.
@@ -299,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.int8.weight_loader(None, tensor)
             if name not in params:
                 prefix = name[:-len("weight")]
-                native, int8 = self.native_weight(name), self._int8_weight(name)
+                native, int8 = self.native_weight(name), self._weight_holder(name, "int8")
                 if native is not None:
                     native.weight_loader(None, tensor, shard_id)
                     loaded.add(f"{prefix}native.parts.{SHARD_PART[shard_id]}")
