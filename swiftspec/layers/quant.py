@@ -7,7 +7,8 @@ compression ratio in the asynchronous mode (compression ~ expansions per target
 forward). Per-output-channel symmetric scales, as torch's ``_weight_int8pack_mm`` expects; the layers
 multiply through :func:`swiftspec.ops.int8_linear`. Like the GGUF blocks
 (:mod:`swiftspec.layers.gguf`), the format is chosen when a layer is built (``load_model(...,
-quant="int8")``): the layer then holds an :class:`Int8Weight` and no float weight.
+int8=True)``, a runner's ``quant="int8"``): the layer then holds an :class:`Int8Weight` and no
+float weight.
 """
 from __future__ import annotations
 
