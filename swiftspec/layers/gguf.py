@@ -111,7 +111,7 @@ class GGUFWeight(nn.Module):
     def _shard(self, loaded: torch.Tensor, i: int) -> torch.Tensor:
         """This rank's rows and blocks of the checkpoint's part ``i`` (as it is when nothing is sharded)."""
         base = quant.base_type(self.types[i])
-        if self.k_blocks is not None and loaded.dim() == 2:
+        if self.k_blocks is not None:
             bb = quant.row_bytes(base, quant.block_values(base))
             if loaded.shape[1] % bb:
                 raise ValueError(f"GGUF part {i}: rows of {loaded.shape[1]} bytes are not whole {quant.ggml_name(base)} blocks")
