@@ -52,13 +52,15 @@ def render(record) -> str:
                  f"{record['threads']} threads",
                  "", "| weights | kernels | layout | quantized GEMM | rows | ms | weight GB/s | of bandwidth |",
                  "|---|---|---|---|---|---|---|---|"]
+        # records from run 30 on probe the bandwidth beside every row count: "of bandwidth" names it
         # older records predate the interleaved layout (their native weights were plain) and the
         # per-row kernel name (the record's dispatch then)
         default = record.get("isa", {}).get("quant_gemm", "-")
         lines += [f"| {r['weights']} | {'on' if r['kernels'] else 'off'} | "
                   f"{r.get('layout', 'plain' if r['weights'] == 'native' else '-')} | "
                   f"{r.get('quant_gemm', default if r['weights'] == 'native' and r['kernels'] else '-')} | "
-                  f"{r['rows']} | {r['ms']:.1f} | {r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} % |"
+                  f"{r['rows']} | {r['ms']:.1f} | {r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} %"
+                  + (f" of {r['bandwidth_gb_s']:.1f} |" if "bandwidth_gb_s" in r else " |")
                   for r in record["rows"]]
         if record.get("prefill"):
             lines += ["", f"prefill ({record.get('dtype', 'float32')} activations, the dispatched kernel)", "",
