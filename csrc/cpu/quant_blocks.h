@@ -244,6 +244,7 @@ struct Problem {
   const float* xd = nullptr;
   const int16_t* xs = nullptr;
   const int16_t* xs32 = nullptr;
+  bool prefetch_x8 = false;  // the 8-row layout's kernels prefetch ahead too (AMD CPUs; quant_gemm_x8.h)
 };
 
 // Columns [n0, n1) for all M rows: out[m * ldo + (n - n0)] (fp32). One per ISA; the caller picks

@@ -52,22 +52,33 @@ bool cpu_has_avx512vnni() {
 #endif
 }
 
+// The CPU's family if it is an AMD one (cpuid leaf 1, extended family added), else 0.
+unsigned amd_family() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  return ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+#else
+  return 0;
+#endif
+}
+
 // AMD family 0x1A and later (Zen 5): 512-bit integer ops at full width, where the 512-bit kernel
 // on the 16-row interleaved layout measured faster than the 256-bit one on the 8-row layout at
 // every row count of the target's and the draft's forward (bench/RESULTS.md, run 19). Elsewhere
 // (Zen 4 runs 512-bit ops in two halves; the Intel CPUs were not measured) the 256-bit kernel
 // stays first; the engine interleaves by 16 rows only where the dispatched kernel reads that.
-bool cpu_prefers_512() {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-  const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
-  return family >= 0x1A;
-#else
-  return false;
-#endif
+bool cpu_prefers_512() { return amd_family() >= 0x1A; }
+
+// Whether the 8-row layout's kernels (avx2, avx512_vnni) prefetch their blocks ahead as the
+// 16-row one does: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward 10-20 %
+// faster at 1-4 rows on Zen 5 (bench/RESULTS.md, run 30); not elsewhere (on an Intel Xeon a
+// prefetch slowed their one-row forward, run 17).
+bool prefetch_x8() {
+  static const bool on = amd_family() != 0;
+  return on;
 }
 
 using GemmFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
@@ -202,6 +213,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     p.xd = qx[f].xd.data_ptr<float>();
     p.xs = f ? qx[f].xs.data_ptr<int16_t>() : nullptr;
     p.xs32 = qx[f].xs32.data_ptr<int16_t>();
+    p.prefetch_x8 = prefetch_x8();
     TORCH_CHECK(col0[i] % g == 0, "quant_linear: interleaved weight part ", i, " must start at a multiple of ", g,
                 " output columns, starts at ", col0[i]);
     col0[i + 1] = col0[i] + w.size(0);

@@ -135,8 +135,9 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
 // probe of the kernel and the forward (bench/RESULTS.md, "AMD Zen 5: prefetch distance"): one
 // block ahead, stopping at the group's end, left the 32-value types (352-byte blocks) streaming far
 // below the read rate and the K types' 4-8 row products waiting on DRAM; 4 KiB and 12 KiB, or into
-// L2, or spread through the block's products, were no better. The 8-row kernels go without (a
-// prefetch slowed their one-row forward on an Intel Xeon, run 17). Only a group's first 16 rows
+// L2, or spread through the block's products, were no better. The 8-row kernels do the same on AMD
+// CPUs only (Problem::prefetch_x8: 10-20 % faster at 1-4 rows on Zen 5, run 30; on an Intel Xeon
+// a prefetch slowed their one-row forward, run 17). Only a group's first 16 rows
 // prefetch (X8Rows::prefetch): a prefill's later rows find the group's blocks in L1/L2, where the
 // prefetches only cost issue slots (3-8 % of a 16-row Q4_K block's time, one-thread probe).
 constexpr int64_t kPrefetchBytes = 6144;
@@ -154,7 +155,7 @@ struct X8Rows {
   const int16_t* xs[16];
   const int16_t* xs32[16];
   float* f[16];
-  bool prefetch;  // the group's first 16 rows: its blocks come from DRAM (later rows find them cached)
+  bool prefetch;  // the group's first 16 rows (later rows find its blocks cached), where the layout prefetches
 };
 
 // Q4_K tables of one group super-block: the 6-bit scales and mins of 8 sub-blocks x the group's
@@ -328,14 +329,14 @@ __attribute__((noinline)) static void q6k_x8_call(const uint8_t* blk, int64_t b,
 // 5-10 % faster there and 3-8 % slower at 8 rows: one-thread probe on AMD Zen 5, in L2); with
 // several tiles, one block for every tile before the next block (each tile's own pass through
 // all blocks was slower at 8 rows with AVX2's 4-row tiles; one-thread probe on AMD Zen 5). The
-// first tile prefetches ahead for the others (16-row layout, see kPrefetchBytes).
+// first tile prefetches ahead for the others (see kPrefetchBytes).
 // (not inlined: one register allocation per row count, and none shared with the caller's loops)
 template <class V, int Base, int MR>
 __attribute__((noinline)) static void k_x8_rows(const uint8_t* grp, int64_t b0, int64_t b1, int64_t gb,
                                                 const X8Rows& r, int i0) {
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = grp + b * gb;
-    if (Vec<V>::kCols == 16 && i0 == 0 && r.prefetch) prefetch_ahead(grp, b, gb);
+    if (i0 == 0 && r.prefetch) prefetch_ahead(grp, b, gb);
     if constexpr (Base == kQ4_K)
       q4k_x8_rows<V, MR>(blk, b, q4k_tables<V>(blk), r, i0);
     else if constexpr (MR <= 2)
@@ -406,7 +407,7 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
   F y[MR];
   for (int i = 0; i < MR; ++i) y[i] = O::loadf(r.f[i0 + i]);
   for (int64_t b = 0; b < nb; ++b) {
-    if (O::kCols == 16 && i0 == 0 && r.prefetch) prefetch_ahead(grp, b, gb);
+    if (i0 == 0 && r.prefetch) prefetch_ahead(grp, b, gb);
     const uint8_t* blk = grp + b * gb;
     const Q0Header<V> g = q0_header<V, Base>(blk);
     const int8_t* xb[MR];
@@ -484,7 +485,7 @@ static void x8_group(const Problem& p, int64_t n, float* out, int64_t ldo) {
     const int mr = static_cast<int>(p.M - m0 < 16 ? p.M - m0 : 16);
     alignas(64) float f[16 * C];
     X8Rows r;
-    r.prefetch = m0 == 0;
+    r.prefetch = m0 == 0 && (C == 16 || p.prefetch_x8);
     for (int i = 0; i < mr; ++i) {
       const int64_t m = m0 + i;
       r.xq[i] = p.xq + m * p.K;
