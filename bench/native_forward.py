@@ -1,6 +1,6 @@
 """Target (or draft) forward time on native GGUF weights against the machine's read bandwidth.
 
-For 1, 4 and 8 rows (a one-token step and verifications; for the draft, expansions) after a
+For 1, 2, 4 and 8 rows (a one-token step and verifications; for the draft, expansions) after a
 100-token prefill: the time of one forward + LM head (best of --rounds), the weight bytes it
 reads (every block of the model's GGUF layers and the LM-head rows it computes: all for the
 target, the engine's ``draft_vocab`` = 32768 for the draft) and the fraction of the read bandwidth that is, the bandwidth being the best
