@@ -459,6 +459,20 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"{ratio(llama[1], 'swiftspec-profiled', 'llama-cpp')}") in text
     assert (f"our `autoregressive` {ratio(llama[0], 'autoregressive', 'llama-cpp')} and "
             f"{ratio(llama[1], 'autoregressive', 'llama-cpp')}") in text
+    # run 30: the same comparison with the prefetching AVX2 kernel, and without it, alternating
+    run30 = [f"run30-zen5-avx2build-6x5-llamacpp-avx2-{s}.json" for s in ("1", "2", "noprefetch-1", "noprefetch-2")]
+    assert (f"the default mode {ratio(run30[0], 'swiftspec-profiled', 'llama-cpp')} and "
+            f"{ratio(run30[1], 'swiftspec-profiled', 'llama-cpp')} llama.cpp, our `autoregressive` "
+            f"{ratio(run30[0], 'autoregressive', 'llama-cpp')} and {ratio(run30[1], 'autoregressive', 'llama-cpp')}") in text
+    assert (f"the code before the prefetch, alternating with them: {ratio(run30[2], 'swiftspec-profiled', 'llama-cpp')} "
+            f"and {ratio(run30[3], 'swiftspec-profiled', 'llama-cpp')}") in text
+
+    def sum_ratio(name):
+        recs = [r for r in json.loads((root / "bench" / "results" / name).read_text())["records"] if r["dataset"] == "sum"]
+        tot = overall(recs)
+        return f"{tot['swiftspec-profiled'] / tot['autoregressive']:.2f}x"
+
+    assert f"the default mode decodes {sum_ratio(run30[0])} and {sum_ratio(run30[1])} our `autoregressive`" in text
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
