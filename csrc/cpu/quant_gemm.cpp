@@ -73,7 +73,7 @@ unsigned amd_family() {
 bool cpu_prefers_512() { return amd_family() >= 0x1A; }
 
 // Whether the 8-row layout's kernels (avx2, avx512_vnni) prefetch their blocks ahead as the
-// 16-row one does: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward 10-20 %
+// 16-row one does: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward 6-24 %
 // faster at 1-4 rows on Zen 5 (bench/RESULTS.md, run 30); not elsewhere (on an Intel Xeon a
 // prefetch slowed their one-row forward, run 17).
 bool prefetch_x8() {

@@ -136,7 +136,7 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
 // block ahead, stopping at the group's end, left the 32-value types (352-byte blocks) streaming far
 // below the read rate and the K types' 4-8 row products waiting on DRAM; 4 KiB and 12 KiB, or into
 // L2, or spread through the block's products, were no better. The 8-row kernels do the same on AMD
-// CPUs only (Problem::prefetch_x8: 10-20 % faster at 1-4 rows on Zen 5, run 30; on an Intel Xeon
+// CPUs only (Problem::prefetch_x8: 6-24 % faster at 1-4 rows on Zen 5, run 30; on an Intel Xeon
 // a prefetch slowed their one-row forward, run 17). Only a group's first 16 rows
 // prefetch (X8Rows::prefetch): a prefill's later rows find the group's blocks in L1/L2, where the
 // prefetches only cost issue slots (3-8 % of a 16-row Q4_K block's time, one-thread probe).
