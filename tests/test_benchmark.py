@@ -449,8 +449,9 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     # run 26: the AVX2 build's ratios the README quotes, from their records
     from swiftspec.benchmark.e2e import overall
 
-    def ratio(name, system, ref):
-        tot = overall(json.loads((root / "bench" / "results" / name).read_text())["records"])
+    def ratio(name, system, ref, dataset=None):
+        recs = json.loads((root / "bench" / "results" / name).read_text())["records"]
+        tot = overall([r for r in recs if dataset is None or r["dataset"] == dataset])
         return f"{tot[system] / tot[ref]:.2f}x"
 
     text = " ".join(readme.split())
@@ -466,13 +467,8 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"{ratio(run30[0], 'autoregressive', 'llama-cpp')} and {ratio(run30[1], 'autoregressive', 'llama-cpp')}") in text
     assert (f"the code before the prefetch, alternating with them: {ratio(run30[2], 'swiftspec-profiled', 'llama-cpp')} "
             f"and {ratio(run30[3], 'swiftspec-profiled', 'llama-cpp')}") in text
-
-    def sum_ratio(name):
-        recs = [r for r in json.loads((root / "bench" / "results" / name).read_text())["records"] if r["dataset"] == "sum"]
-        tot = overall(recs)
-        return f"{tot['swiftspec-profiled'] / tot['autoregressive']:.2f}x"
-
-    assert f"the default mode decodes {sum_ratio(run30[0])} and {sum_ratio(run30[1])} our `autoregressive`" in text
+    sum_ratios = [ratio(n, "swiftspec-profiled", "autoregressive", "sum") for n in run30[:2]]
+    assert f"the default mode decodes {sum_ratios[0]} and {sum_ratios[1]} our `autoregressive`" in text
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text

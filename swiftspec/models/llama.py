@@ -258,21 +258,21 @@ class LlamaForCausalLM(nn.Module):
         with ``vocab_limit`` only ids ``[0, vocab_limit)``."""
         return self.lm_head(hidden, vocab_limit)
 
-    def _weight_holder(self, name: str, kind: str):
-        """The ``kind`` ("native" or "int8") weight holder of the layer that parameter ``name`` (ours,
-        e.g. ``layers.0.mlp.down_proj.weight``) belongs to, or None (a float layer, no such layer)."""
+    def _layer_of(self, name: str) -> nn.Module | None:
+        """The layer whose weight parameter ``name`` (ours, e.g. ``layers.0.mlp.down_proj.weight``)
+        is, or None (not a weight, no such layer). Its ``native`` / ``int8`` holder, where it has one,
+        replaces that parameter."""
         if not name.endswith(".weight"):
             return None
         try:
-            mod = self.get_submodule(name.rsplit(".", 1)[0])
+            return self.get_submodule(name.rsplit(".", 1)[0])
         except AttributeError:
             return None
-        return getattr(mod, kind, None)
 
     def native_weight(self, name: str) -> GGUFWeight | None:
         """The GGUF block weight that parameter ``name`` (ours) lives in, or None when that layer
         holds another format or there is no such layer."""
-        return self._weight_holder(name, "native")
+        return getattr(self._layer_of(name), "native", None)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into this rank's shards.
@@ -293,7 +293,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.int8.weight_loader(None, tensor)
             if name not in params:
                 prefix = name[:-len("weight")]
-                native, int8 = self.native_weight(name), self._weight_holder(name, "int8")
+                layer = self._layer_of(name)
+                native, int8 = getattr(layer, "native", None), getattr(layer, "int8", None)
                 if native is not None:
                     native.weight_loader(None, tensor, shard_id)
                     loaded.add(f"{prefix}native.parts.{SHARD_PART[shard_id]}")
