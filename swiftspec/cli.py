@@ -46,6 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="use the compiled kernels (CPU twins / CUDA) where available (default: on)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on CUDA, replay decode steps from CUDA graphs (default: on)")
+    p.add_argument("--draft-payback", action=argparse.BooleanOptionalAction, default=None,
+                   help="serial mode: run a request on the target alone where the draft's prefill would not "
+                        "pay back within its max tokens (default: on with --mode auto)")
 
 
 def _env_int(name: str) -> int | None:
@@ -63,7 +66,7 @@ def _int_list(s: str) -> list[int]:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
             "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels", "cuda_graphs", "pipeline_stages",
-            "pipeline_order", "remote_stages", "master_addr", "master_port"]
+            "pipeline_order", "remote_stages", "master_addr", "master_port", "draft_payback"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -80,6 +80,11 @@ class EngineConfig:
             captured per bucket of rows (powers of two up to the tree's ``bs`` / expansion sizes;
             :class:`swiftspec.graphs.PaddedStep`); TP = 1 only (at TP > 1 steps run eagerly); ignored
             on CPU. Not yet run on GPU hardware.
+        draft_payback: serial mode: per request, prefill the draft only where that pays back
+            within the request's token budget, else run it on the target alone
+            (:mod:`swiftspec.payback`; the request's ``metrics.mode`` then says
+            "autoregressive"); None (default) = on when ``mode`` is "auto", off when a mode is
+            configured. Changes speed, never the output.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
@@ -112,6 +117,7 @@ class EngineConfig:
     draft_vocab: int | None = 32768
     kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
     cuda_graphs: bool = True
+    draft_payback: bool | None = None
     start_timeout_s: float = 600.0
 
     def __post_init__(self):

@@ -172,7 +172,8 @@ class Engine:
             profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
         mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
                                                    None if gpus else profiled, gpus)
-        self.config = config = replace(config, mode=mode, **tree)
+        payback = config.mode == "auto" if config.draft_payback is None else config.draft_payback
+        self.config = config = replace(config, mode=mode, draft_payback=payback, **tree)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -265,7 +266,8 @@ class Engine:
                                   tokenizer_file=tok_file, stages=len(layout) if pipelined else 1,
                                   stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
                                   master_addr=self.config.master_addr,
-                                  start_timeout_s=self.config.start_timeout_s)
+                                  start_timeout_s=self.config.start_timeout_s,
+                                  draft_payback=self.config.draft_payback)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]
@@ -478,9 +480,9 @@ class Engine:
         target = {"wait_s": stats.wait_s, **runner_stats[ROLE_TARGET]}
         if req.trace:
             target["trace"] = stats.trace
-        metrics = RequestMetrics.from_events(self.config.mode, len(req.prompt_ids), t_start, st.events,
-                                             stats.accepted, stats.reason, target, draft)
-        metrics.mode_reason = self.mode_reason
+        metrics = RequestMetrics.from_events(stats.ran or self.config.mode, len(req.prompt_ids), t_start,
+                                             st.events, stats.accepted, stats.reason, target, draft)
+        metrics.mode_reason = self.mode_reason + (f"; this request: {stats.ran_reason}" if stats.ran_reason else "")
         metrics.kernels = self.kernel_dispatch()
         final = self._text(st.tokens, req.params.stop)
         want_lp = req.params.logprobs is not None

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 
 from swiftspec.acceptance import Replay
 from swiftspec.draft_state import DraftState
+from swiftspec.payback import PaybackGate
 from swiftspec.runner import Launched
 from swiftspec.sampling import Sampler, SamplingParams
 from swiftspec.target_state import TargetState
@@ -117,6 +118,10 @@ class TargetStats:
     wait_s: float = 0.0  # time the target leader spent waiting for a subgraph
     reason: str | None = None  # finish reason: "stop", "length" or "cancelled"
     trace: list[dict] = field(default_factory=list)
+    # a serial request that ran the target alone (its draft's prefill would not pay back): "autoregressive"
+    ran: str | None = None
+    ran_reason: str = ""  # the PaybackGate's reasoning, where one decided
+    step_s: float = 0.0  # a gated request's target-alone step after its prefill, seconds
 
 
 def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: StopChecker,
@@ -171,13 +176,24 @@ def _prefill_both(draft: DraftState, target: TargetState, req: Request, sampler:
 
 
 def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
-               stop: StopChecker | None = None) -> TargetStats:
-    """SwiftSpec-base: ``d`` expansions, then one verification, then re-root; one device group."""
+               stop: StopChecker | None = None, gate: PaybackGate | None = None) -> TargetStats:
+    """SwiftSpec-base: ``d`` expansions, then one verification, then re-root; one device group.
+
+    With a ``gate`` (not for replayed requests) the target takes one step alone after its
+    prefill, then the gate decides whether the draft's prefill pays back within the token budget
+    (:mod:`swiftspec.payback`); if not, the request goes on as :func:`run_autoregressive`
+    (``stats.ran`` = "autoregressive"), else the draft prefills up to that step and speculation
+    starts, its speed measured for the gate."""
     d = req.d if req.d is not None else SERIAL_D
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
-    if not _prefill_both(draft, target, req, sampler, stop, emit):
+    if gate is not None and req.replay is None:
+        if not _gated_start(draft, target, req, sampler, stop, emit, stats, gate):
+            stats.reason = stop.reason
+            return stats
+    elif not _prefill_both(draft, target, req, sampler, stop, emit):
         stats.reason = stop.reason
         return stats
+    t_spec, n_spec = time.perf_counter(), len(stop.ids)
     while True:
         for _ in range(d):
             if draft.can_expand():
@@ -187,8 +203,38 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
         if stop.reason:
             break
         draft.reroot(verified)
+    if gate is not None and stats.ran is None and req.replay is None:
+        gate.observe_decode(stats.step_s, len(stop.ids) - n_spec, time.perf_counter() - t_spec)
     stats.reason = stop.reason
     return stats
+
+
+def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: Sampler, stop: StopChecker,
+                 emit, stats: TargetStats, gate: PaybackGate) -> bool:
+    """run_serial's start with a gate: the target's prefill and one step alone (timed), the
+    gate's call, then either the rest of the request on the target alone (False) or the draft's
+    prefill of the prompt and the tokens before the root (True: speculation goes on)."""
+    t0 = time.perf_counter()
+    first = _prefill_target(target, req, sampler, stop, emit)
+    t1 = time.perf_counter()
+    if stop.reason:
+        return False
+    step = _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
+    stats.step_s = time.perf_counter() - t1
+    if stop.reason:
+        return False
+    decision = gate.decide(t1 - t0, stats.step_s, stop.remaining)
+    stats.ran_reason = decision.reason
+    if not decision.speculate:
+        stats.ran = "autoregressive"
+        while not stop.reason:
+            _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
+        return False
+    t2 = time.perf_counter()
+    draft.prefill(req.prompt_ids + [first] + step[:-1])
+    gate.observe_prefill(t1 - t0, time.perf_counter() - t2)
+    draft.start(step[-1])
+    return True
 
 
 def run_colocated(draft: DraftState, target: TargetState, req: Request, emit,

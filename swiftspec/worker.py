@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from swiftspec.draft_state import DraftState, TreeParams
+from swiftspec.payback import PaybackGate
 
 ROLE_TARGET, ROLE_DRAFT = "target", "draft"
 
@@ -47,6 +48,8 @@ class WorkerSpec:
         draft_quant: "int8" or None: weight-only quantization of the draft model.
         kernels: use the compiled latency kernels and the shared-memory all-reduce (swiftspec.ops).
         weights: "native", "bfloat16" or "float32" (see :func:`swiftspec.models.llama.load_model`).
+        draft_payback: serial mode: a :class:`swiftspec.payback.PaybackGate` decides per request
+            whether the draft prefills (else the request runs on the target alone).
     """
 
     rank: int
@@ -73,6 +76,7 @@ class WorkerSpec:
     pipeline_order: str = "layer"
     master_addr: str = "127.0.0.1"
     start_timeout_s: float = 600.0
+    draft_payback: bool = False
 
     @property
     def is_leader(self) -> bool:
@@ -182,6 +186,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
     if ROLE_DRAFT in handles:
         draft = DraftState(handles[ROLE_DRAFT], spec.tree)
     decode = _decoder(spec.tokenizer_file) if target is not None else None
+    gate = PaybackGate() if spec.draft_payback and spec.kind == "serial" else None
 
     def emit(tokens, t, logprobs):
         engine.send(("tokens", tokens, t, logprobs))
@@ -204,7 +209,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
             if spec.kind == "autoregressive":
                 st = scheduler.run_autoregressive(target, req, emit, stop)
             elif spec.kind == "serial":
-                st = scheduler.run_serial(draft, target, req, emit, stop)
+                st = scheduler.run_serial(draft, target, req, emit, stop, gate)
             elif spec.kind == "colocated":
                 st = scheduler.run_colocated(draft, target, req, emit, stop)
             elif spec.kind == ROLE_TARGET:

@@ -36,6 +36,26 @@ def test_modes_equal_autoregressive(tiny_dir, tiny_draft_dir, reference, mode):
     assert not any(pid_alive(p) for p in pids), "close() must leave no process behind"
 
 
+def test_draft_payback_per_request(tiny_dir, tiny_draft_dir, reference):
+    """With the gate on (the default under mode="auto"), a serial engine speculates until it has
+    measured the draft's prefill (not from its first request) and speed-up, then runs a request
+    whose budget cannot pay the draft's prefill back (one token left after the gate's step) on the
+    target alone, saying so in its metrics; both are the target's own tokens."""
+    with Engine(tiny_dir, tiny_draft_dir, mode="serial", dtype="float32", draft_payback=True) as eng:
+        assert eng.config.draft_payback
+        eng.generate(PROMPT, GREEDY)
+        first = eng.generate(PROMPT, GREEDY)
+        short = eng.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert first.token_ids == reference.token_ids and short.token_ids == reference.token_ids[:3]
+    assert first.metrics.mode == "serial" and "speculating until" in first.metrics.mode_reason
+    assert first.metrics.compression_ratio > 1.0
+    m = short.metrics
+    assert m.mode == "autoregressive" and "would not pay back within 1 tokens" in m.mode_reason, m.mode_reason
+    assert m.compression_ratio == 1.0 and m.draft.get("forwards", 0) == 0
+    with Engine(tiny_dir, tiny_draft_dir, mode="serial", dtype="float32") as eng:
+        assert not eng.config.draft_payback  # a configured mode: off unless asked for
+
+
 def test_tensor_parallel_equals_tp1(tiny_dir, tiny_draft_dir, reference):
     """TP = 2 in both groups (4 processes over gloo) gives the TP = 1 greedy output."""
     cores = sorted(os.sched_getaffinity(0))

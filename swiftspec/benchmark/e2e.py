@@ -151,7 +151,7 @@ class EngineSystem:
         c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)
         t = c.tree_params()
         self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d, "target_tp": c.target_tp,
-                      "weights": c.weights}
+                      "weights": c.weights, "draft_payback": c.draft_payback}
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
@@ -488,7 +488,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
                                 "matches_target": None if ref is None else toks == outs[ref][0],
-                                "reference": ref,
+                                "reference": ref, "ran": getattr(m, "mode", None),
                                 "draft_stalls": m.draft.get("stall_expansions"),
                                 "target_wait_s": m.target.get("wait_s"), **_busy_record(m), **_pipeline_record(m),
                                 **({"engine": systems[s].shape} if isinstance(systems.get(s), EngineSystem) else {})})
