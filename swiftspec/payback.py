@@ -1,35 +1,41 @@
 """Per request, whether the draft's prefill pays back within the request's token budget.
 
 Speculation saves time per token, but a draft model must first run the whole prompt (its
-prefill), which on a CPU costs a fixed share of the target's prefill (0.38x on the default pair
-with the AVX2 kernels: 1.85 s for a 709-token prompt, bench/RESULTS.md run 31). A long prompt with
-a small ``max_tokens`` can spend more on that than speculation can save in the tokens left, and
-then the target alone finishes the request sooner. vLLM makes the same call with a fixed length
-(``speculative_max_model_len``: longer sequences skip speculation); here it comes from what this
-engine measured on this machine:
+prefill), which on a CPU costs a fixed share of the target's prefill (about a third for the
+default pair, bench/RESULTS.md run 31). A long prompt with a small ``max_tokens`` can spend more
+on that than speculation can save in the tokens left, and then the target alone finishes the
+request sooner. vLLM makes the same call with a fixed length (``speculative_max_model_len``:
+longer sequences skip speculation); here it comes from what this engine measures:
 
 - ``rho``: the draft's prefill time over the target's on the same prompt (from the requests that
   prefilled both, except a worker's first: its target prefill also pays one-time costs, the
   first touch of the weights and of the thread pool, which made ``rho`` near 0 on small models);
 - ``sigma``: speculative decoding's speed over the target alone, measured per request as one
   target-alone step's time (every gated request takes one before it decides) times the tokens
-  verified after the draft's prefill, over the time they took.
+  verified after the draft's prefill, over the time they took; taken as at least
+  :data:`MIN_SIGMA`.
 
-A request speculates unless both are known and ``rho * T_prefill >= budget * t_step * (1 - 1 /
+A request speculates unless ``rho`` is known and ``rho * T_prefill >= budget * t_step * (1 - 1 /
 sigma)`` (``T_prefill``: this prompt's target prefill, ``t_step``: its target-alone step, both
-just measured; ``budget``: the tokens it may still generate). ``sigma`` counts as at least
-:data:`MIN_SIGMA`, so a short prompt (a cheap draft prefill) always speculates and keeps the
-measurement fresh: a few requests with poor acceptance never switch speculation off for good.
-Lossless either way: every token is the target's own.
+just measured; ``budget``: the tokens it may still generate).
+
+Why a floor on ``sigma``: the mode that runs here was chosen because it measured faster than the
+target alone (:func:`swiftspec.config.choose_mode`: 1.14-1.32x in runs 26-30), while a single
+request's measurement swings with the machine's memory state: in run 31 (the AVX2 code on the
+2-core Zen 5) speculation ran 0.95x the target alone while memory was fast and 1.23-1.31x while it
+was slow, within minutes. With the measurement alone, a few fast-state requests made later
+code prompts (0.6-1.1 s prefills, where speculation then gained 27 %) run without the draft.
+Below the floor the estimate is noise, not a reason to give speculation up; above it (a better
+draft) more prompts speculate. Lossless either way: every token is the target's own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # speculation's speed-up over the target alone is taken as at least this (see the module docstring)
-MIN_SIGMA = 1.05
+MIN_SIGMA = 1.2
 # weight of the previous estimate when a request adds its measurement (exponential average)
-DECAY = 0.7
+DECAY = 0.8
 # a speculative request measures sigma only with at least this many tokens after the draft's prefill
 MIN_TOKENS = 4
 
@@ -69,11 +75,12 @@ class PaybackGate:
             step_s: one target-alone decode step right after it, seconds.
             budget: tokens the request may still generate.
         """
-        rho, sigma = self.rho, self.sigma
-        if rho is None or sigma is None:
-            return Decision(True, "speculating until the draft's prefill cost and speed-up are measured")
+        rho = self.rho
+        if rho is None:
+            return Decision(True, "speculating until the draft's prefill cost is measured")
+        sigma = max(self.sigma or MIN_SIGMA, MIN_SIGMA)
         cost = rho * target_prefill_s
-        saving = budget * step_s * (1.0 - 1.0 / max(sigma, MIN_SIGMA))
+        saving = budget * step_s * (1.0 - 1.0 / sigma)
         verdict = "pays back" if saving > cost else "would not pay back"
         return Decision(saving > cost, f"the draft's prefill (~{cost:.3g} s, {rho:.2f}x the target's) {verdict} "
                                        f"within {budget} tokens (speculation saves ~{saving:.3g} s at "

@@ -215,15 +215,18 @@ def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: 
     gate's call, then either the rest of the request on the target alone (False) or the draft's
     prefill of the prompt and the tokens before the root (True: speculation goes on)."""
     t0 = time.perf_counter()
-    first = _prefill_target(target, req, sampler, stop, emit)
-    t1 = time.perf_counter()
+    res = target.prefill(req.prompt_ids, sampler)
+    prefill_s = time.perf_counter() - t0  # the forward alone, as the draft's below
+    _emit_verified(res, stop, emit)
+    first = res.bonus
     if stop.reason:
         return False
+    t1 = time.perf_counter()
     step = _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
     stats.step_s = time.perf_counter() - t1
     if stop.reason:
         return False
-    decision = gate.decide(t1 - t0, stats.step_s, stop.remaining)
+    decision = gate.decide(prefill_s, stats.step_s, stop.remaining)
     stats.ran_reason = decision.reason
     if not decision.speculate:
         stats.ran = "autoregressive"
@@ -232,7 +235,7 @@ def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: 
         return False
     t2 = time.perf_counter()
     draft.prefill(req.prompt_ids + [first] + step[:-1])
-    gate.observe_prefill(t1 - t0, time.perf_counter() - t2)
+    gate.observe_prefill(prefill_s, time.perf_counter() - t2)
     draft.start(step[-1])
     return True
 

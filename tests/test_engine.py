@@ -38,15 +38,18 @@ def test_modes_equal_autoregressive(tiny_dir, tiny_draft_dir, reference, mode):
 
 def test_draft_payback_per_request(tiny_dir, tiny_draft_dir, reference):
     """With the gate on (the default under mode="auto"), a serial engine speculates until it has
-    measured the draft's prefill (not from its first request) and speed-up, then runs a request
-    whose budget cannot pay the draft's prefill back (one token left after the gate's step) on the
-    target alone, saying so in its metrics; both are the target's own tokens."""
+    measured the draft's prefill (not from its first request), then runs a request whose budget
+    cannot pay the draft's prefill back (a long prompt, one token left after the gate's step) on
+    the target alone, saying so in its metrics; both are the target's own tokens."""
+    long, three = PROMPT * 20, SamplingParams(max_tokens=3, ignore_eos=True)
     with Engine(tiny_dir, tiny_draft_dir, mode="serial", dtype="float32", draft_payback=True) as eng:
         assert eng.config.draft_payback
         eng.generate(PROMPT, GREEDY)
         first = eng.generate(PROMPT, GREEDY)
-        short = eng.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
-    assert first.token_ids == reference.token_ids and short.token_ids == reference.token_ids[:3]
+        short = eng.generate(long, three)
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32") as eng:
+        ref = eng.generate(long, three)
+    assert first.token_ids == reference.token_ids and short.token_ids == ref.token_ids
     assert first.metrics.mode == "serial" and "speculating until" in first.metrics.mode_reason
     assert first.metrics.compression_ratio > 1.0
     m = short.metrics

@@ -16,14 +16,17 @@ def _measured(rho: float, sigma: float) -> PaybackGate:
     return g
 
 
-def test_speculates_until_both_costs_are_measured():
+def test_speculates_until_the_prefill_ratio_is_measured():
     g = PaybackGate()
     assert g.decide(100.0, 1.0, 1).speculate  # nothing measured: however unlikely to pay back
     g.observe_prefill(1.0, 0.01)  # a worker's first prefill (one-time costs): not used
-    assert g.rho is None
+    assert g.rho is None and g.decide(100.0, 1.0, 1).speculate
     g.observe_prefill(1.0, 0.4)
     assert g.rho == pytest.approx(0.4) and g.sigma is None
-    assert g.decide(100.0, 1.0, 1).speculate
+    # no speed-up measured yet: MIN_SIGMA's
+    saving = 100 * 0.02 * (1 - 1 / MIN_SIGMA)
+    assert g.decide(0.99 * saving / 0.4, 0.02, 100).speculate
+    assert not g.decide(1.01 * saving / 0.4, 0.02, 100).speculate
     g.observe_decode(0.03, MIN_TOKENS - 1, 0.01)  # too few tokens to measure a speed
     assert g.sigma is None
     g.observe_decode(0.03, 10, 0.2)
@@ -42,7 +45,8 @@ def test_decision_is_the_payback_inequality():
 
 
 def test_a_slow_measured_speedup_does_not_switch_speculation_off():
-    """sigma below MIN_SIGMA counts as MIN_SIGMA: short prompts keep speculating (and measuring)."""
+    """A measured sigma below MIN_SIGMA counts as MIN_SIGMA (the memory state's noise, not a reason
+    to give speculation up): short prompts keep speculating (and measuring)."""
     g = _measured(rho=0.4, sigma=0.8)
     assert g.sigma == pytest.approx(0.8)
     saving = 100 * 0.02 * (1 - 1 / MIN_SIGMA)
@@ -52,7 +56,7 @@ def test_a_slow_measured_speedup_does_not_switch_speculation_off():
 
 def test_estimates_follow_recent_requests():
     g = _measured(rho=0.4, sigma=1.25)
-    for _ in range(20):
+    for _ in range(50):
         g.observe_prefill(1.0, 0.2)
         g.observe_decode(0.03, 50, 0.03 * 50 / 1.5)
     assert g.rho == pytest.approx(0.2, rel=1e-3) and g.sigma == pytest.approx(1.5, rel=1e-3)
