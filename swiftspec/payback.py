@@ -1,10 +1,10 @@
 """Per request, whether the draft's prefill pays back within the request's token budget.
 
 Speculation saves time per token, but a draft model must first run the whole prompt (its
-prefill), which on a CPU costs a fixed share of the target's prefill (about a third for the
-default pair, bench/RESULTS.md run 31). A long prompt with a small ``max_tokens`` can spend more
-on that than speculation can save in the tokens left, and then the target alone finishes the
-request sooner. vLLM makes the same call with a fixed length (``speculative_max_model_len``:
+prefill), which grows with the prompt like the target's own prefill. A long prompt with a small
+``max_tokens`` can spend more on that than speculation can save in the tokens left, and then the
+target alone finishes the request sooner (bench/RESULTS.md run 31: the summarization prompts, 128
+tokens). vLLM makes the same call with a fixed length (``speculative_max_model_len``:
 longer sequences skip speculation); here it comes from what this engine measures:
 
 - ``rho``: the draft's prefill time over the target's on the same prompt (from the requests that

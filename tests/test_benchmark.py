@@ -383,7 +383,7 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
 
 def test_every_committed_record_renders_and_the_readme_quotes_run13():
     """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's numbers of runs 13, 15, 16, 20, 24, 26, 27, 28 and 29 are those of their records."""
+    the README's numbers of runs 13, 15, 16, 20, 24, 26, 27, 28, 29, 30 and 31 are those of their records."""
     import importlib.util
     from pathlib import Path
 
@@ -469,6 +469,37 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"and {ratio(run30[3], 'swiftspec-profiled', 'llama-cpp')}") in text
     sum_ratios = [ratio(n, "swiftspec-profiled", "autoregressive", "sum") for n in run30[:2]]
     assert f"the default mode decodes {sum_ratios[0]} and {sum_ratios[1]} our `autoregressive`" in text
+    # run 31: the default configuration (the draft's payback gate) beside the same shape without it
+    auto, plain = "swiftspec-profiled[auto]", "swiftspec-profiled[serial-bs2-d1]"
+    run31 = [f"run31-zen5-avx2build-6x5-payback-{i}.json" for i in (1, 2)]
+    assert (f"the default mode {ratio(run31[0], auto, 'llama-cpp')} and {ratio(run31[1], auto, 'llama-cpp')} "
+            f"llama.cpp, without the gate {ratio(run31[0], plain, 'llama-cpp')} and {ratio(run31[1], plain, 'llama-cpp')}, "
+            f"our `autoregressive` {ratio(run31[0], 'autoregressive', 'llama-cpp')} and "
+            f"{ratio(run31[1], 'autoregressive', 'llama-cpp')}, 30/30 equal") in text
+
+    def whole(name, system, ref, dataset):  # requests' time: time to first token plus decode
+        recs = json.loads((root / "bench" / "results" / name).read_text())["records"]
+        t = {k: sum(r["ttft_s"] + r["decode_s"] for r in recs if r["system"] == k and r["dataset"] == dataset)
+             for k in (system, ref)}
+        return f"{t[system] / t[ref]:.2f}x"
+
+    assert (f"they take {whole(run31[0], auto, 'autoregressive', 'sum')} and {whole(run31[1], auto, 'autoregressive', 'sum')} "
+            f"the target alone's time against {whole(run31[0], plain, 'autoregressive', 'sum')} and "
+            f"{whole(run31[1], plain, 'autoregressive', 'sum')} without it") in text
+    recs31 = json.loads((root / "bench" / "results" / "run31-zen5-avx512-6x5-payback.json").read_text())["records"]
+    tot31 = overall(recs31)
+    assert (f"the default mode {tot31[auto]:.2f} tokens/s = {tot31[auto] / tot31['llama-cpp']:.2f}x llama.cpp's "
+            f"{tot31['llama-cpp']:.2f}, without the gate {tot31[plain] / tot31['llama-cpp']:.2f}x, our `autoregressive` "
+            f"{tot31['autoregressive'] / tot31['llama-cpp']:.2f}x, llama.cpp's speculative mode "
+            f"{tot31['llama-cpp-spec'] / tot31['llama-cpp']:.2f}x") in text
+    name31 = "run31-zen5-avx512-6x5-payback.json"
+    assert (f"the summarization requests take {whole(name31, auto, 'autoregressive', 'sum')} the target alone's time "
+            f"with the gate and {whole(name31, plain, 'autoregressive', 'sum')} without") in text
+    for name in run31 + [name31]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
+        rs = [r for r in json.loads((root / "bench" / "results" / name).read_text())["records"]
+              if r["system"] in (auto, plain)]
+        assert all(r["matches_target"] for r in rs) and len(rs) == 60
+        assert {r["dataset"] for r in rs if r["ran"] == "autoregressive"} == {"sum"}
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
