@@ -4,6 +4,7 @@ import pytest
 
 from swiftspec import scheduler
 from swiftspec.payback import MIN_SIGMA, MIN_TOKENS, PaybackGate
+from swiftspec.sampling import SamplingParams
 from swiftspec.acceptance import Replay
 from tests.test_scheduler import PROMPT, _collect, _draft, _req, _target, greedy_reference  # noqa: F401 (fixture)
 
@@ -96,3 +97,18 @@ def test_replayed_requests_are_not_gated(tiny_dir, tiny_draft_dir):
     st = scheduler.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), req, emit, gate=g)
     assert len(out) == 40 and st.ran is None and st.step_s == 0 and not st.ran_reason
     assert sum(st.accepted) > 0 and g.rho == pytest.approx(1e6) and g.sigma == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_seed_gives_the_target_alones_sample_under_the_gate(tiny_dir, tiny_draft_dir, greedy_reference,
+                                                             speculate):
+    """Sampled requests: the gated step and whichever path follows use the request's uniforms in
+    order, so a seed gives autoregressive's tokens either way (not the greedy ones)."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=2.0, top_p=0.95, seed=7)
+    ref, emit = _collect()
+    scheduler.run_autoregressive(_target(tiny_dir), _req(n=30, params=params), emit)
+    g = _measured(rho=0.4, sigma=1.25) if speculate else _measured(rho=1e6, sigma=1.25)
+    out, emit = _collect()
+    st = scheduler.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), _req(n=30, params=params, d=2), emit, gate=g)
+    assert out == ref and len(out) == 30 and (st.ran is None) == speculate
+    assert out != greedy_reference[:30]
