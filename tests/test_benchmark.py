@@ -500,6 +500,11 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
               if r["system"] in (auto, plain)]
         assert all(r["matches_target"] for r in rs) and len(rs) == 60
         assert {r["dataset"] for r in rs if r["ran"] == "autoregressive"} == {"sum"}
+    cmd = [json.loads((root / "bench" / "results" / f"readme-command-zen5-run31-{i}.json").read_text())["metrics"]
+           for i in (1, 2)]
+    assert all(m["mode"] == "serial" for m in cmd)
+    assert (f"decoded at {cmd[0]['tokens_per_s']:.1f} and {cmd[1]['tokens_per_s']:.1f} tokens/s in two runs, time to "
+            f"first token {cmd[0]['ttft_s']:.2f} / {cmd[1]['ttft_s']:.2f} s") in text
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
