@@ -155,9 +155,14 @@ def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecke
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     _prefill_target(target, req, sampler, stop, emit)
     while not stop.reason:
-        _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
+        _target_step(target, sampler, stop, emit, stats)
     stats.reason = stop.reason
     return stats
+
+
+def _target_step(target: TargetState, sampler: Sampler, stop: StopChecker, emit, stats: TargetStats) -> list[int]:
+    """One target-alone step: verify the one-node subgraph (the root), emit its token."""
+    return _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
 
 
 def _prefill_both(draft: DraftState, target: TargetState, req: Request, sampler: Sampler, stop: StopChecker,
@@ -186,11 +191,10 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
     starts, its speed measured for the gate."""
     d = req.d if req.d is not None else SERIAL_D
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
-    if gate is not None and req.replay is None:
-        if not _gated_start(draft, target, req, sampler, stop, emit, stats, gate):
-            stats.reason = stop.reason
-            return stats
-    elif not _prefill_both(draft, target, req, sampler, stop, emit):
+    gated = gate is not None and req.replay is None
+    started = (_gated_start(draft, target, req, sampler, stop, emit, stats, gate) if gated
+               else _prefill_both(draft, target, req, sampler, stop, emit))
+    if not started:
         stats.reason = stop.reason
         return stats
     t_spec, n_spec = time.perf_counter(), len(stop.ids)
@@ -203,7 +207,7 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
         if stop.reason:
             break
         draft.reroot(verified)
-    if gate is not None and stats.ran is None and req.replay is None:
+    if gated:
         gate.observe_decode(stats.step_s, len(stop.ids) - n_spec, time.perf_counter() - t_spec)
     stats.reason = stop.reason
     return stats
@@ -222,7 +226,7 @@ def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: 
     if stop.reason:
         return False
     t1 = time.perf_counter()
-    step = _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
+    step = _target_step(target, sampler, stop, emit, stats)
     stats.step_s = time.perf_counter() - t1
     if stop.reason:
         return False
@@ -231,7 +235,7 @@ def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: 
     if not decision.speculate:
         stats.ran = "autoregressive"
         while not stop.reason:
-            _verify_step(target, Subgraph([target.root], [-1], [0]), sampler, stop, emit, stats)
+            _target_step(target, sampler, stop, emit, stats)
         return False
     t2 = time.perf_counter()
     draft.prefill(req.prompt_ids + [first] + step[:-1])

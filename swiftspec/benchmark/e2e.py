@@ -488,7 +488,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
                                 "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
                                 "matches_target": None if ref is None else toks == outs[ref][0],
-                                "reference": ref, "ran": getattr(m, "mode", None),
+                                "reference": ref, "ran": m.mode,
                                 "draft_stalls": m.draft.get("stall_expansions"),
                                 "target_wait_s": m.target.get("wait_s"), **_busy_record(m), **_pipeline_record(m),
                                 **({"engine": systems[s].shape} if isinstance(systems.get(s), EngineSystem) else {})})
