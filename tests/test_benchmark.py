@@ -449,9 +449,11 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     # run 26: the AVX2 build's ratios the README quotes, from their records
     from swiftspec.benchmark.e2e import overall
 
+    def records(name):
+        return json.loads((root / "bench" / "results" / name).read_text())["records"]
+
     def ratio(name, system, ref, dataset=None):
-        recs = json.loads((root / "bench" / "results" / name).read_text())["records"]
-        tot = overall([r for r in recs if dataset is None or r["dataset"] == dataset])
+        tot = overall([r for r in records(name) if dataset is None or r["dataset"] == dataset])
         return f"{tot[system] / tot[ref]:.2f}x"
 
     text = " ".join(readme.split())
@@ -477,27 +479,24 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"our `autoregressive` {ratio(run31[0], 'autoregressive', 'llama-cpp')} and "
             f"{ratio(run31[1], 'autoregressive', 'llama-cpp')}, 30/30 equal") in text
 
-    def whole(name, system, ref, dataset):  # requests' time: time to first token plus decode
-        recs = json.loads((root / "bench" / "results" / name).read_text())["records"]
-        t = {k: sum(r["ttft_s"] + r["decode_s"] for r in recs if r["system"] == k and r["dataset"] == dataset)
+    def time_ratio(name, system, ref, dataset):  # requests' time: time to first token plus decode
+        t = {k: sum(r["ttft_s"] + r["decode_s"] for r in records(name) if r["system"] == k and r["dataset"] == dataset)
              for k in (system, ref)}
         return f"{t[system] / t[ref]:.2f}x"
 
-    assert (f"they take {whole(run31[0], auto, 'autoregressive', 'sum')} and {whole(run31[1], auto, 'autoregressive', 'sum')} "
-            f"the target alone's time against {whole(run31[0], plain, 'autoregressive', 'sum')} and "
-            f"{whole(run31[1], plain, 'autoregressive', 'sum')} without it") in text
-    recs31 = json.loads((root / "bench" / "results" / "run31-zen5-avx512-6x5-payback.json").read_text())["records"]
-    tot31 = overall(recs31)
+    sums = [time_ratio(n, s, "autoregressive", "sum") for s in (auto, plain) for n in run31]
+    assert (f"they take {sums[0]} and {sums[1]} the target alone's time against {sums[2]} and {sums[3]} "
+            f"without it") in text
+    name31 = "run31-zen5-avx512-6x5-payback.json"
+    tot31 = overall(records(name31))
     assert (f"the default mode {tot31[auto]:.2f} tokens/s = {tot31[auto] / tot31['llama-cpp']:.2f}x llama.cpp's "
             f"{tot31['llama-cpp']:.2f}, without the gate {tot31[plain] / tot31['llama-cpp']:.2f}x, our `autoregressive` "
             f"{tot31['autoregressive'] / tot31['llama-cpp']:.2f}x, llama.cpp's speculative mode "
             f"{tot31['llama-cpp-spec'] / tot31['llama-cpp']:.2f}x") in text
-    name31 = "run31-zen5-avx512-6x5-payback.json"
-    assert (f"the summarization requests take {whole(name31, auto, 'autoregressive', 'sum')} the target alone's time "
-            f"with the gate and {whole(name31, plain, 'autoregressive', 'sum')} without") in text
+    assert (f"the summarization requests take {time_ratio(name31, auto, 'autoregressive', 'sum')} the target alone's "
+            f"time with the gate and {time_ratio(name31, plain, 'autoregressive', 'sum')} without") in text
     for name in run31 + [name31]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
-        rs = [r for r in json.loads((root / "bench" / "results" / name).read_text())["records"]
-              if r["system"] in (auto, plain)]
+        rs = [r for r in records(name) if r["system"] in (auto, plain)]
         assert all(r["matches_target"] for r in rs) and len(rs) == 60
         assert {r["dataset"] for r in rs if r["ran"] == "autoregressive"} == {"sum"}
     cmd = [json.loads((root / "bench" / "results" / f"readme-command-zen5-run31-{i}.json").read_text())["metrics"]
