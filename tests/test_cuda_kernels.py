@@ -188,6 +188,8 @@ ATTN_CASES = [
     (4, 2, 2, 64, 20, 0, 64, None),        # no keys at all: zeros, cache still written
     (1, 12, 2, 128, 600, 513, 1024, None),  # the default target's heads, a decode step
     (8, 14, 2, 64, 1100, 1030, 2048, None),  # the default draft's heads, an expansion
+    (11, 6, 3, 96, 700, 650, 1024, 1),     # three row groups; lanes past the head dim; 6 key chunks
+    (13, 6, 2, 40, 90, 90, 128, None),     # four row groups; D % 8 != 0: element-wise loads
 ]
 
 

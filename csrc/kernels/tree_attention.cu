@@ -2,24 +2,41 @@
 // cache, split-KV across blocks with the merge done inside the same kernel by the last-arriving
 // block (SwiftSpec paper section 3.3 "Masked attention"; semantics of
 // reference.tree_attention; the log-sum-exp merge of split partials is FlashInfer's merge_state /
-// flash-decoding's combine step, here fused instead of launched separately).
+// flash-decoding's combine step, here fused instead of launched separately; the lane layout of the
+// key loop - a key's head dim spread over a group of lanes with 16-byte loads, the score reduced
+// with warp shuffles, each lane group keeping its own online-softmax state - follows FlashInfer's
+// decode kernel, include/flashinfer/attention/decode.cuh).
 //
-// Grid (Hq, num_splits), kAttnThreads threads per block. Block (h, s) handles query head h and the
-// key range [s * keys_per_split, min(S, (s + 1) * keys_per_split)) for all n queries:
+// Grid (Hq, num_splits), kAttnThreads threads (4 warps) per block. Block (h, s) handles query head
+// h and the key range [s * keys_per_split, min(S, (s + 1) * keys_per_split)) for all n queries:
 //   1. the first query head of each KV group, split 0, writes the rotated k_new / v_new rows into
 //      the caches at `slots` (negative or >= C: not written);
-//   2. q rows are rotated (and rounded to T, as the reference materializes them) into shared memory;
-//   3. keys are streamed in tiles of kKeyTile (a tile no query row sees is skipped): the tile's
-//      keys and values loaded into registers together, scores (fp32) with the mask applied, online
-//      softmax (running max m, running sum l, unnormalized accumulator acc in registers);
-//   4. with one split the block normalizes and writes the output; otherwise it stores (m, l, acc)
-//      to the workspace, and the last block of head h to arrive merges all splits and writes the
-//      output - no second kernel launch, which matters when a whole decode step is ~100 us.
+//   2. the warps are split into row groups (up to NR query rows each, rotated q in registers) and
+//      key warps; a warp takes 32 / G keys at a time, G lanes per key with 8 head-dim elements per
+//      lane (G = D / 8 rounded up to a power of two);
+//   3. keys are staged in chunks of kChunk: which rows see each key (from the mask) and whether
+//      this launch writes it; then in sub-chunks of kStageBytes of keys (and as much of values)
+//      copied to shared memory by the whole block, every load in flight at once (one memory
+//      latency per sub-chunk); a chunk or sub-chunk no row sees (the padding of a CUDA graph's
+//      mask out to the cache's capacity, most of all) is neither staged nor computed, nor is a
+//      warp step whose keys none of the warp's rows sees, so the work follows the keys in use;
+//   4. per key: scores by shuffle reduction, online softmax (running max m, sum l, unnormalized
+//      accumulator in registers) per lane group; then the lane groups, the key warps and - with
+//      several splits - the splits are merged by the log-sum-exp rule: a block stores (m, l, acc)
+//      to the workspace and the last block of head h to arrive merges all splits and writes the
+//      output (no second kernel launch, which matters when a whole decode step is ~100 us).
 //
 // Keys being written by this very launch: blocks read the cache while the writer blocks of step 1
 // may still be storing, so a key j that is one of this launch's slots is never taken from the
 // cache; its value is recomputed from k_new / v_new (a few rows, rare). This removes any ordering
 // requirement between writer and readers inside the launch.
+//
+// History (bench/RESULTS.md run 32): the first version (one thread per (row, key) score over a
+// shared-memory tile, one thread per row for the softmax) spent 66 us per call on the default
+// target's heads at 513 keys on an H200 (run 27): latency-bound serial steps. This layout: 13.9 us
+// at 1 query row and 41 us at 8 on an H100, and the target's graph-replayed forward 1.70x / 1.31x
+// faster at 1 / 8 rows than with the first version. Where the remaining time at 8 rows goes is not
+// yet profiled (ncu).
 #include <math.h>
 
 #include "api.h"
@@ -30,14 +47,17 @@ namespace cuda {
 namespace {
 
 constexpr int kAttnThreads = 128;
-constexpr int kKeyTile = 16;
+constexpr int kWarps = kAttnThreads / 32;
+constexpr int kKeyTile = 16;  // the split plan's unit: keys_per_split is a multiple of it
+constexpr int kChunk = kAttnThreads;  // keys staged per round, one per thread
+constexpr int kVec = 8;       // head-dim elements per lane
+constexpr int kMaxRowsPerWarp = 4;
+constexpr int kStageBytes = 8192;  // shared memory for a sub-chunk's keys (and as much for values)
 constexpr int kMaxN = SS_MAX_M;
 constexpr int kMaxD = SS_ATTN_MAX_HEAD_DIM;
-constexpr int kAccPerThread = kMaxN * kMaxD / kAttnThreads;
-constexpr int kTileRegs = kKeyTile * kMaxD / kAttnThreads;  // key (and value) elements per thread
-// fewer key tiles per split than this cost more in merging than they save (a block's time grows
-// with its tiles: 4 -> 2 took the default target's attention from 108 to 66 us per layer at 513
-// keys on an H200, run 27, with the loads below)
+constexpr int kMaxSplits = SS_ATTN_MAX_SPLITS;
+constexpr unsigned kFull = 0xFFFFFFFFu;
+// fewer key tiles per split than this cost more in merging than they save
 constexpr int kMinTilesPerSplit = 2;
 
 struct AttnParams {
@@ -58,25 +78,103 @@ struct AttnParams {
   float scale;
   int num_splits;
   int keys_per_split;
+  int lanes_per_key;  // G: a power of two, G * kVec >= D
+  int row_groups;     // warps holding different query rows
+  int key_warps;      // warps of one row group, each taking other keys
 };
 
-// Rotate-half RoPE of element d of a row (reference.rope_rotate), fp32.
+// Rotate-half RoPE of element d of a row (reference.rope_rotate), fp32. Read-only inputs: __ldg.
 template <typename T>
 __device__ __forceinline__ float rope_at(const T* row, int d, int D, const float* cos_row,
                                          const float* sin_row) {
   const int h = D / 2;
   const float xd = to_float<T>(row[d]);
   const float rot = d < h ? -to_float<T>(row[d + h]) : to_float<T>(row[d - h]);
-  return xd * cos_row[d] + rot * sin_row[d];
+  return xd * __ldg(cos_row + d) + rot * __ldg(sin_row + d);
 }
 
-template <typename T>
+// kVec elements of T at p as fp32: one (bf16 / fp16) or two (fp32) 16-byte loads when VEC (p
+// 16-byte aligned, all kVec in range), else element by element, the first `valid` only. Plain
+// loads: the caches are written by this launch (such slots are replaced by the caller).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_vec(const T* p, int valid, float* out) {
+  if constexpr (VEC) {
+    if (valid <= 0) {
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) out[u] = 0.f;
+      return;
+    }
+    if constexpr (sizeof(T) == 4) {
+      raw16_to_float<T>(*reinterpret_cast<const uint4*>(p), out);
+      raw16_to_float<T>(*reinterpret_cast<const uint4*>(p + 4), out + 4);
+    } else {
+      raw16_to_float<T>(*reinterpret_cast<const uint4*>(p), out);
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) out[u] = u < valid ? to_float<T>(p[u]) : 0.f;
+  }
+}
+
+// Copy `count` elements of T from global `src` to shared `dst` with the whole block, every load
+// issued before any store (one memory latency). VEC: 16-byte pieces (src 16-byte aligned, count a
+// multiple of 16 bytes), else element by element. Plain loads (see load_vec).
+template <typename T, bool VEC>
+__device__ __forceinline__ void stage_rows(const T* src, int count, T* dst) {
+  constexpr int kPer = kStageBytes / 16 / kAttnThreads;  // 16-byte pieces per thread at most
+  if constexpr (VEC) {
+    const int pieces = count * static_cast<int>(sizeof(T)) / 16;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    uint4 r[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int x = threadIdx.x + u * kAttnThreads;
+      if (x < pieces) r[u] = s4[x];
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int x = threadIdx.x + u * kAttnThreads;
+      if (x < pieces) d4[x] = r[u];
+    }
+  } else {
+    constexpr int kElems = kStageBytes / static_cast<int>(sizeof(T)) / kAttnThreads;
+    T r[kElems];
+#pragma unroll
+    for (int u = 0; u < kElems; ++u) {
+      const int x = threadIdx.x + u * kAttnThreads;
+      if (x < count) r[u] = src[x];
+    }
+#pragma unroll
+    for (int u = 0; u < kElems; ++u) {
+      const int x = threadIdx.x + u * kAttnThreads;
+      if (x < count) dst[x] = r[u];
+    }
+  }
+}
+
+// Merge online-softmax state (m2, l2, a2) into (m, l, a): the log-sum-exp rule, fully masked
+// states (m = -inf, l = 0) contribute nothing.
+__device__ __forceinline__ void merge_state(float& m, float& l, float* a, float m2, float l2,
+                                            const float* a2) {
+  const float M = fmaxf(m, m2);
+  const float w1 = m == -INFINITY ? 0.f : expf(m - M);
+  const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - M);
+  l = l * w1 + l2 * w2;
+#pragma unroll
+  for (int u = 0; u < kVec; ++u) a[u] = a[u] * w1 + a2[u] * w2;
+  m = M;
+}
+
+template <typename T, int NR, bool VEC>
 __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams p) {
-  __shared__ float qs[kMaxN * kMaxD];                 // rotated queries [n][D]
-  __shared__ float kv[kKeyTile * (kMaxD + 1)];        // key or value tile [kKeyTile][D + 1]
-  __shared__ float sc[kMaxN * kKeyTile];              // scores, then probabilities [n][kKeyTile]
-  __shared__ float row_m[kMaxN], row_l[kMaxN], row_alpha[kMaxN];
-  __shared__ int srcs[kKeyTile];                      // key tile entry -> new-token row or -1
+  __shared__ float pacc[kWarps * kMaxRowsPerWarp * kMaxD];  // per-warp partials [warp][row][D]
+  __shared__ float pm[kWarps * kMaxRowsPerWarp], pl[kWarps * kMaxRowsPerWarp];
+  __shared__ float mw[kMaxSplits * kMaxN], lw[kMaxSplits * kMaxN];  // split merge: m, l, weights
+  __shared__ uint32_t rowbits[kChunk];  // bit i: query row i sees the chunk's key
+  __shared__ int srcs[kChunk];          // the chunk's key -> new-token row written here, or -1
+  __shared__ __align__(16) unsigned char kbuf[kStageBytes];  // a sub-chunk's keys [sub][D] of T
+  __shared__ __align__(16) unsigned char vbuf[kStageBytes];  // and values
   __shared__ int slot_s[kMaxN];
   __shared__ int pos_s[kMaxN];
   __shared__ bool last_block;
@@ -92,23 +190,24 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
   const int split = blockIdx.y;
   const int group = p.Hq / p.Hk;
   const int hk = hq / group;
-  const int ld = D + 1;  // padded row: threads of a warp reading column d of different keys hit different banks
 
   if (tid < n) {
     const int64_t s = p.slots[tid];
     slot_s[tid] = (s >= 0 && s < C) ? static_cast<int>(s) : -1;
     const int64_t pos = p.positions[tid];
     pos_s[tid] = static_cast<int>(pos < 0 ? 0 : (pos >= p.P ? p.P - 1 : pos));
-    row_m[tid] = -INFINITY;
-    row_l[tid] = 0.f;
   }
   __syncthreads();
 
-  // 1. KV write, by one block per KV head. With duplicate slots the last row wins (what the
-  //    reference's index_put does in practice); readers use the same rule below.
-  if (split == 0 && hq % group == 0) {
-    for (int e = tid; e < n * D; e += blockDim.x) {
-      const int i = e / D, d = e - i * D;
+  // 1. KV write, by the blocks of the first query head of each KV group: row i by split
+  //    i % num_splits (a row per block or two, off the critical path of any one block). With
+  //    duplicate slots the last row wins (what the reference's index_put does in practice);
+  //    readers use the same rule below.
+  if (hq % group == 0) {
+    const int mine_rows = split < n ? (n - 1 - split) / p.num_splits + 1 : 0;
+#pragma unroll 4
+    for (int e = tid; e < mine_rows * D; e += kAttnThreads) {
+      const int i = split + (e / D) * p.num_splits, d = e % D;
       const int slot = slot_s[i];
       bool last = slot >= 0;
       for (int i2 = i + 1; i2 < n && last; ++i2) last = slot_s[i2] != slot;
@@ -123,170 +222,188 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
     }
   }
 
-  // 2. rotated queries, rounded to T like the reference's rope_rotate output
-  for (int e = tid; e < n * D; e += blockDim.x) {
-    const int i = e / D, d = e - i * D;
-    const int pos = pos_s[i];
-    const T* qrow = q + (static_cast<int64_t>(i) * p.Hq + hq) * D;
-    qs[i * D + d] = round_to<T>(rope_at<T>(qrow, d, D, p.cos_table + static_cast<int64_t>(pos) * D,
-                                           p.sin_table + static_cast<int64_t>(pos) * D));
+  // 2. this thread's place: warp -> (row group rg, key warp kw), lane -> (key kg, dims d0..)
+  const int warp = tid >> 5, lane = tid & 31;
+  const int G = p.lanes_per_key, KG = 32 / G, KW = p.key_warps;
+  const int rg = warp / KW, kw = warp - rg * KW;
+  const bool active = rg < p.row_groups;
+  const int kg = lane / G, d0 = (lane - kg * G) * kVec;
+  const int valid = min(kVec, D - d0);  // <= 0: a lane past the head dim (holds zeros)
+  const int row0 = rg * NR;
+  uint32_t warp_rows = 0;  // mask bits of this warp's rows
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+    if (active && row0 + r < n) warp_rows |= 1u << (row0 + r);
+
+  // rotated queries (rounded to T like the reference's rope_rotate output), this lane's dims
+  float qf[NR][kVec];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    const int i = row0 + r;
+    const bool ok = (warp_rows >> i) & 1u;
+    const T* qrow = q + (static_cast<int64_t>(ok ? i : 0) * p.Hq + hq) * D;
+    const int pos = ok ? pos_s[i] : 0;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      qf[r][u] = ok && u < valid
+                     ? round_to<T>(rope_at<T>(qrow, d0 + u, D,
+                                              p.cos_table + static_cast<int64_t>(pos) * D,
+                                              p.sin_table + static_cast<int64_t>(pos) * D))
+                     : 0.f;
   }
 
-  float acc[kAccPerThread];
+  float m[NR], l[NR], acc[NR][kVec];
 #pragma unroll
-  for (int r = 0; r < kAccPerThread; ++r) acc[r] = 0.f;
+  for (int r = 0; r < NR; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) acc[r][u] = 0.f;
+  }
 
   const int s0 = split * p.keys_per_split;
   const int s1 = min(S, s0 + p.keys_per_split);
-  for (int t0 = s0; t0 < s1; t0 += kKeyTile) {
-    // 3a. which keys of the tile are written by this launch, and whether any row sees one of
-    //     them: a tile no row sees (the padding of a CUDA graph's mask out to the cache's
-    //     capacity, most of all) is skipped, so the work follows the keys in use, not the capacity
-    bool seen = false;
-    if (tid < kKeyTile) {
-      const int j = t0 + tid;
-      int src = -1;
-      if (j < s1) {
-        for (int i = 0; i < n; ++i) {
+  const int64_t head_base = static_cast<int64_t>(hk) * C * D;
+  const int sub = min(kChunk, kStageBytes / (D * static_cast<int>(sizeof(T))));  // keys per sub-chunk
+  for (int c0 = s0; c0 < s1; c0 += kChunk) {
+    const int len = min(kChunk, s1 - c0);
+    // 3. stage the chunk: rows seeing each key, and the keys this launch writes
+    uint32_t bits = 0;
+    int src = -1;
+    if (tid < len) {
+      const int j = c0 + tid;
+#pragma unroll
+      for (int i = 0; i < kMaxN; ++i)
+        if (i < n) {
+          if (p.mask[static_cast<int64_t>(i) * S + j]) bits |= 1u << i;
           if (slot_s[i] == j) src = i;
-          seen = seen || p.mask[static_cast<int64_t>(i) * S + j];
+        }
+    }
+    __syncthreads();  // the previous chunk's readers are done with rowbits / srcs
+    rowbits[tid] = bits;
+    srcs[tid] = src;
+    if (!__syncthreads_or(bits != 0)) continue;  // uniform: no row sees any key of the chunk
+    // 4. the chunk in sub-chunks of `sub` keys: their keys and values copied to shared memory
+    //    by the whole block (all loads in flight at once: one memory latency per sub-chunk, not
+    //    one per warp step), then KG keys per warp step, the key warps of a row group interleaved
+    for (int b0 = 0; b0 < len; b0 += sub) {
+      const int cnt = min(sub, len - b0);
+      // uniform: a sub-chunk no row sees is not loaded (also the barrier before kbuf is reused)
+      if (!__syncthreads_or(tid < cnt && rowbits[b0 + tid] != 0)) continue;
+      stage_rows<T, VEC>(k_cache + head_base + static_cast<int64_t>(c0 + b0) * D, cnt * D,
+                         reinterpret_cast<T*>(kbuf));
+      stage_rows<T, VEC>(v_cache + head_base + static_cast<int64_t>(c0 + b0) * D, cnt * D,
+                         reinterpret_cast<T*>(vbuf));
+      // keys this launch writes: the rotated k_new / v_new rows, as step 1 writes them (the
+      // cache may be mid-write there); a second barrier only in the sub-chunk holding such slots
+      bool fix = false;
+      for (int i = 0; i < n; ++i) fix = fix || (slot_s[i] >= c0 + b0 && slot_s[i] < c0 + b0 + cnt);
+      if (fix) {
+        __syncthreads();
+        for (int e = tid; e < n * D; e += kAttnThreads) {
+          const int i = e / D, d = e - i * D;
+          const int jj = slot_s[i] - (c0 + b0);
+          if (jj < 0 || jj >= cnt || srcs[b0 + jj] != i) continue;  // elsewhere, or a later row wins
+          const int pos = pos_s[i];
+          const T* krow = k_new + (static_cast<int64_t>(i) * p.Hk + hk) * D;
+          reinterpret_cast<T*>(kbuf)[jj * D + d] = from_float<T>(
+              rope_at<T>(krow, d, D, p.cos_table + static_cast<int64_t>(pos) * D,
+                         p.sin_table + static_cast<int64_t>(pos) * D));
+          reinterpret_cast<T*>(vbuf)[jj * D + d] = v_new[(static_cast<int64_t>(i) * p.Hk + hk) * D + d];
         }
       }
-      srcs[tid] = src;
-    }
-    if (!__syncthreads_or(seen)) continue;  // uniform: every thread gets the same answer
-    // 3b. the tile's keys and values from the cache into registers, all loads issued before any
-    //     is used, so they can overlap (H200, run 27: a 16-key tile still costs ~20 us per block,
-    //     bound by the serial steps below, not by these loads). A slot this launch writes may be
-    //     read mid-write here: its value is replaced below.
-    float kreg[kTileRegs], vreg[kTileRegs];
+      __syncthreads();
+      if (!active) continue;
+      for (int base = kw * KG; base < cnt; base += KW * KG) {
+        const int jj = base + kg;
+        const uint32_t kb = jj < cnt ? rowbits[b0 + jj] & warp_rows : 0u;
+        if (!__any_sync(kFull, kb != 0)) continue;  // uniform over the warp
+        float kf[kVec], vf[kVec];
+        const int nv = kb != 0 ? valid : 0;
+        load_vec<T, VEC>(reinterpret_cast<const T*>(kbuf) + jj * D + d0, nv, kf);
+        load_vec<T, VEC>(reinterpret_cast<const T*>(vbuf) + jj * D + d0, nv, vf);
 #pragma unroll
-    for (int r = 0; r < kTileRegs; ++r) {
-      const int e = tid + r * kAttnThreads;
-      const int jj = e / D, d = e - jj * D;
-      float kx = 0.f, vx = 0.f;
-      if (e < kKeyTile * D && t0 + jj < s1) {
-        const int64_t c = (static_cast<int64_t>(hk) * C + t0 + jj) * D + d;
-        kx = to_float<T>(k_cache[c]);
-        vx = to_float<T>(v_cache[c]);
-      }
-      kreg[r] = kx;
-      vreg[r] = vx;
-    }
+        for (int r = 0; r < NR; ++r) {
+          float dot = 0.f;
 #pragma unroll
-    for (int r = 0; r < kTileRegs; ++r) {
-      const int e = tid + r * kAttnThreads;
-      if (e < kKeyTile * D) {
-        const int jj = e / D, d = e - jj * D;
-        const int src = t0 + jj < s1 ? srcs[jj] : -1;
-        float v = kreg[r];
-        if (src >= 0) {
-          const int pos = pos_s[src];
-          const T* krow = k_new + (static_cast<int64_t>(src) * p.Hk + hk) * D;
-          v = round_to<T>(rope_at<T>(krow, d, D, p.cos_table + static_cast<int64_t>(pos) * D,
-                                     p.sin_table + static_cast<int64_t>(pos) * D));
-          vreg[r] = to_float<T>(v_new[(static_cast<int64_t>(src) * p.Hk + hk) * D + d]);
+          for (int u = 0; u < kVec; ++u) dot = fmaf(qf[r][u], kf[u], dot);
+          for (int o = G >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(kFull, dot, o);
+          if ((kb >> (row0 + r)) & 1u) {  // the same for the key's lane group
+            const float s = dot * p.scale;
+            const float m_new = fmaxf(m[r], s);
+            const float alpha = expf(m[r] - m_new);  // m = -inf gives 0
+            const float pj = expf(s - m_new);
+            l[r] = l[r] * alpha + pj;
+#pragma unroll
+            for (int u = 0; u < kVec; ++u) acc[r][u] = fmaf(acc[r][u], alpha, pj * vf[u]);
+            m[r] = m_new;
+          }
         }
-        kv[jj * ld + d] = v;
-      }
-    }
-    __syncthreads();
-    // 3c. masked scores
-    for (int e = tid; e < n * kKeyTile; e += blockDim.x) {
-      const int i = e / kKeyTile, jj = e - i * kKeyTile;
-      const int j = t0 + jj;
-      float s = -INFINITY;
-      if (j < s1 && p.mask[static_cast<int64_t>(i) * S + j]) {
-        float dot = 0.f;
-        const float* qr = qs + i * D;
-        const float* kr = kv + jj * ld;
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) dot = fmaf(qr[d], kr[d], dot);
-        s = dot * p.scale;
-      }
-      sc[e] = s;
-    }
-    __syncthreads();
-    // 3d. value tile (overwrites the keys, all scores are done) and the online softmax update
-#pragma unroll
-    for (int r = 0; r < kTileRegs; ++r) {
-      const int e = tid + r * kAttnThreads;
-      if (e < kKeyTile * D) {
-        const int jj = e / D, d = e - jj * D;
-        kv[jj * ld + d] = vreg[r];
-      }
-    }
-    if (tid < n) {
-      float* srow = sc + tid * kKeyTile;
-      float mx = -INFINITY;
-      for (int jj = 0; jj < kKeyTile; ++jj) mx = fmaxf(mx, srow[jj]);
-      const float m_old = row_m[tid];
-      const float m_new = fmaxf(m_old, mx);
-      if (m_new == -INFINITY) {
-        // everything so far masked: keep m = -inf, l = 0 (exp(-inf - -inf) would be NaN)
-        row_alpha[tid] = 1.f;
-        for (int jj = 0; jj < kKeyTile; ++jj) srow[jj] = 0.f;
-      } else {
-        const float alpha = expf(m_old - m_new);  // m_old = -inf gives 0
-        float sum = 0.f;
-        for (int jj = 0; jj < kKeyTile; ++jj) {
-          const float pj = expf(srow[jj] - m_new);  // masked: exp(-inf) = 0
-          srow[jj] = pj;
-          sum += pj;
-        }
-        row_alpha[tid] = alpha;
-        row_l[tid] = row_l[tid] * alpha + sum;
-        row_m[tid] = m_new;
-      }
-    }
-    __syncthreads();
-    // 3e. acc[i][d] = alpha_i * acc[i][d] + sum_j p[i][j] * v[j][d]
-#pragma unroll
-    for (int r = 0; r < kAccPerThread; ++r) {
-      const int e = tid + r * kAttnThreads;
-      if (e < n * D) {
-        const int i = e / D, d = e - i * D;
-        float a = acc[r] * row_alpha[i];
-        const float* pr = sc + i * kKeyTile;
-#pragma unroll
-        for (int jj = 0; jj < kKeyTile; ++jj) a = fmaf(pr[jj], kv[jj * ld + d], a);
-        acc[r] = a;
       }
     }
   }
+
+  // 5. merge the warp's lane groups (each saw other keys), then its key warps via shared memory
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      for (int o = G; o < 32; o <<= 1) {
+        const float m2 = __shfl_xor_sync(kFull, m[r], o);
+        const float l2 = __shfl_xor_sync(kFull, l[r], o);
+        float a2[kVec];
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) a2[u] = __shfl_xor_sync(kFull, acc[r][u], o);
+        merge_state(m[r], l[r], acc[r], m2, l2, a2);
+      }
+    if (kg == 0) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        float* dst = pacc + (warp * kMaxRowsPerWarp + r) * kMaxD + d0;
+#pragma unroll
+        for (int u = 0; u < kVec; ++u)
+          if (u < valid) dst[u] = acc[r][u];
+        if (lane == 0) {
+          pm[warp * kMaxRowsPerWarp + r] = m[r];
+          pl[warp * kMaxRowsPerWarp + r] = l[r];
+        }
+      }
+    }
+  }
+  __syncthreads();
 
   T* out = static_cast<T*>(p.out);
-  if (p.num_splits == 1) {
-    __syncthreads();  // row_l final (a block with no keys never entered the loop)
-#pragma unroll
-    for (int r = 0; r < kAccPerThread; ++r) {
-      const int e = tid + r * kAttnThreads;
-      if (e < n * D) {
-        const int i = e / D, d = e - i * D;
-        const float l = row_l[i];
-        out[(static_cast<int64_t>(i) * p.Hq + hq) * D + d] = from_float<T>(l > 0.f ? acc[r] / l : 0.f);
-      }
-    }
-    return;
-  }
-
-  // 4. split partials: workspace = acc [Hq][splits][n][D], then m and l [Hq][splits][n]
   const int splits = p.num_splits;
+  // split partials (splits > 1): workspace = acc [Hq][splits][n][D], then m and l [Hq][splits][n]
   const int64_t parts = static_cast<int64_t>(p.Hq) * splits * n;
   float* ws_acc = p.workspace;
-  float* ws_m = ws_acc + parts * D;
-  float* ws_l = ws_m + parts;
+  float* ws_m = splits > 1 ? ws_acc + parts * D : nullptr;
+  float* ws_l = splits > 1 ? ws_m + parts : nullptr;
   const int64_t mine = (static_cast<int64_t>(hq) * splits + split) * n;
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kAccPerThread; ++r) {
-    const int e = tid + r * kAttnThreads;
-    if (e < n * D) ws_acc[mine * D + e] = acc[r];
+  for (int e = tid; e < n * D; e += kAttnThreads) {
+    const int i = e / D, d = e - i * D;
+    const int g = i / NR, r = i - g * NR;
+    float M = -INFINITY;
+    for (int w = g * KW; w < (g + 1) * KW; ++w) M = fmaxf(M, pm[w * kMaxRowsPerWarp + r]);
+    float L = 0.f, a = 0.f;
+    if (M != -INFINITY)
+      for (int w = g * KW; w < (g + 1) * KW; ++w) {
+        const int x = w * kMaxRowsPerWarp + r;
+        if (pm[x] == -INFINITY) continue;
+        const float f = expf(pm[x] - M);
+        L += pl[x] * f;
+        a += pacc[x * kMaxD + d] * f;
+      }
+    if (splits == 1) {
+      out[(static_cast<int64_t>(i) * p.Hq + hq) * D + d] = from_float<T>(L > 0.f ? a / L : 0.f);
+    } else {  // 6. this split's partial, unnormalized (relative to M)
+      ws_acc[mine * D + e] = a;
+      if (d == 0) {
+        ws_m[mine + i] = M;
+        ws_l[mine + i] = L;
+      }
+    }
   }
-  if (tid < n) {
-    ws_m[mine + tid] = row_m[tid];
-    ws_l[mine + tid] = row_l[tid];
-  }
+  if (splits == 1) return;
   // Release: make this block's partials visible device-wide before it is counted as arrived, so
   // the block that sees the final count also sees every partial (threadFenceReduction pattern).
   __threadfence();
@@ -301,30 +418,35 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
   // co-residency of the splits and no second launch. Acquire side of the fence pairing:
   __threadfence();
 
+  // __ldcg: the partials were written by other SMs; read them from L2, never from this SM's L1
   const int64_t head0 = static_cast<int64_t>(hq) * splits * n;
-  float* wgt = kv;  // [splits][n] merge weights, reusing the tile buffer
+  for (int t = tid; t < splits * n; t += kAttnThreads) {
+    mw[t] = __ldcg(ws_m + head0 + t);
+    lw[t] = __ldcg(ws_l + head0 + t);
+  }
+  __syncthreads();
   if (tid < n) {
     float M = -INFINITY;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(ws_m + head0 + s * n + tid));
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, mw[s * n + tid]);
     float L = 0.f;
     if (M != -INFINITY)
       for (int s = 0; s < splits; ++s) {
-        const float ms = __ldcg(ws_m + head0 + s * n + tid);
-        if (ms != -INFINITY) L += __ldcg(ws_l + head0 + s * n + tid) * expf(ms - M);
+        const float ms = mw[s * n + tid];
+        if (ms != -INFINITY) L += lw[s * n + tid] * expf(ms - M);
       }
     for (int s = 0; s < splits; ++s) {
-      const float ms = __ldcg(ws_m + head0 + s * n + tid);
+      const float ms = mw[s * n + tid];
       // fully masked split: m = -inf, l = 0 -> weight 0; fully masked row: L = 0 -> zeros
-      wgt[s * n + tid] = (ms == -INFINITY || !(L > 0.f)) ? 0.f : expf(ms - M) / L;
+      mw[s * n + tid] = (ms == -INFINITY || !(L > 0.f)) ? 0.f : expf(ms - M) / L;
     }
   }
   __syncthreads();
-  for (int e = tid; e < n * D; e += blockDim.x) {
+  for (int e = tid; e < n * D; e += kAttnThreads) {
     const int i = e / D;
     float o = 0.f;
-    // __ldcg: the partials were written by other SMs; read them from L2, never from this SM's L1
+#pragma unroll 8
     for (int s = 0; s < splits; ++s)
-      o = fmaf(wgt[s * n + i], __ldcg(ws_acc + (head0 + static_cast<int64_t>(s) * n) * D + e), o);
+      o = fmaf(mw[s * n + i], __ldcg(ws_acc + (head0 + static_cast<int64_t>(s) * n) * D + e), o);
     const int d = e - i * D;
     out[(static_cast<int64_t>(i) * p.Hq + hq) * D + d] = from_float<T>(o);
   }
@@ -388,14 +510,27 @@ extern "C" SS_API int ss_tree_attention(const void* q, const void* k_new, const 
       sin_table == nullptr || (mask == nullptr && S > 0) || out == nullptr ||
       (num_splits > 1 && (workspace == nullptr || counters == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
-  AttnParams prm{q,   k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table,
-                 mask, out,  workspace, counters, n, Hq, Hk, D, C, S, P, scale, num_splits,
-                 keys_per_split};
+  int G = 1;
+  while (G * kVec < D) G <<= 1;  // D <= 256: G <= 32
+  const int nr = n == 1 ? 1 : kMaxRowsPerWarp;
+  const int row_groups = (n + nr - 1) / nr;  // <= kWarps
+  AttnParams prm{q,    k_new, v_new,     k_cache,  v_cache, slots, positions,
+                 cos_table, sin_table, mask, out, workspace, counters, n, Hq, Hk, D, C, S, P,
+                 scale, num_splits, keys_per_split, G, row_groups, kWarps / row_groups};
+  // 16-byte loads of a key's kVec elements: whole vectors (D % 8 == 0) at aligned addresses
+  const bool vec = D % kVec == 0 && reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(v_cache) % 16 == 0;
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(Hq, num_splits);
   return dispatch_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    tree_attention_kernel<T><<<grid, kAttnThreads, 0, s>>>(prm);
+    if (nr == 1) {
+      if (vec) tree_attention_kernel<T, 1, true><<<grid, kAttnThreads, 0, s>>>(prm);
+      else tree_attention_kernel<T, 1, false><<<grid, kAttnThreads, 0, s>>>(prm);
+    } else {
+      if (vec) tree_attention_kernel<T, kMaxRowsPerWarp, true><<<grid, kAttnThreads, 0, s>>>(prm);
+      else tree_attention_kernel<T, kMaxRowsPerWarp, false><<<grid, kAttnThreads, 0, s>>>(prm);
+    }
     return launch_status();
   });
 }
