@@ -49,6 +49,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-payback", action=argparse.BooleanOptionalAction, default=None,
                    help="serial mode: run a request on the target alone where the draft's prefill would not "
                         "pay back within its max tokens (default: on with --mode auto)")
+    p.add_argument("--draft-sms", type=int, metavar="N",
+                   help="colocated mode on CUDA: run the draft on N SMs of a CUDA green context, the target on "
+                        "the whole GPU (default: no partition)")
 
 
 def _env_int(name: str) -> int | None:
@@ -66,7 +69,7 @@ def _int_list(s: str) -> list[int]:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
             "target_tp", "draft_tp", "bs", "w", "d", "max_model_len", "kernels", "cuda_graphs", "pipeline_stages",
-            "pipeline_order", "remote_stages", "master_addr", "master_port", "draft_payback"]
+            "pipeline_order", "remote_stages", "master_addr", "master_port", "draft_payback", "draft_sms"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

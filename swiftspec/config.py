@@ -85,6 +85,16 @@ class EngineConfig:
             (:mod:`swiftspec.payback`; the request's ``metrics.mode`` then says
             "autoregressive"); None (default) = on when ``mode`` is "auto", off when a mode is
             configured. Changes speed, never the output.
+        draft_sms: colocated mode on CUDA: confine the draft to this many streaming
+            multiprocessors (SMs) with a CUDA green context (:func:`swiftspec.sm_partition.green_context_stream`;
+            the driver rounds it up to its granularity, a multiple of 8 on Hopper), so its
+            expansions cannot take SMs beyond that share from the target's verification; the
+            target keeps the whole GPU (torch's green contexts each split their SMs off the whole
+            device, so two could overlap: only the draft's share is fenced). None (default): no
+            partition. Needs mode "colocated" (or "auto" resolving to it) and a CUDA device
+            (``ValueError`` otherwise); a torch or driver without green contexts raises
+            ``RuntimeError`` when the workers start. Measured on an H100 (bench/RESULTS.md run
+            32): 32 SMs made ``colocated`` 0.90x as fast as without a partition.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
@@ -118,6 +128,7 @@ class EngineConfig:
     kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
     cuda_graphs: bool = True
     draft_payback: bool | None = None
+    draft_sms: int | None = None
     start_timeout_s: float = 600.0
 
     def __post_init__(self):
@@ -155,6 +166,14 @@ class EngineConfig:
             raise ValueError("draft_vocab must be at least 2")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.draft_sms is not None:
+            if isinstance(self.draft_sms, bool) or not isinstance(self.draft_sms, int) or self.draft_sms < 1:
+                raise ValueError(f"draft_sms must be a positive integer (SMs) or None, got {self.draft_sms!r}")
+            if self.mode not in ("colocated", "auto"):
+                raise ValueError(f"draft_sms splits one GPU's SMs between the colocated mode's concurrent draft and "
+                                 f"target; mode {self.mode!r} has no such pair: use mode='colocated'")
+            if self.device == "cpu":
+                raise ValueError("draft_sms partitions a GPU's SMs: it needs device 'cuda' (or 'auto' on a GPU)")
         self.tree_params()  # validates bs, w, ...
 
     def draft_logits_vocab(self, vocab: int) -> int:
@@ -216,10 +235,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 
     On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) the CPU profile and rule do not
     apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout; not yet run
-    on hardware); on one GPU ``autoregressive``, measured fastest there (run 27, an H200, the
-    default pair's shapes and recorded acceptance: ``serial`` 0.84x and ``colocated`` 0.81x of
-    ``autoregressive``, because the tree-attention kernel makes a draft forward cost 0.6x a target
-    forward); ``colocated`` and ``serial`` run when asked for.
+    on hardware); on one GPU ``autoregressive``, measured fastest there (run 32, an H100, the
+    default pair's shapes and recorded acceptance: ``serial`` 0.62x and ``colocated`` 0.58x of
+    ``autoregressive``: a draft forward costs 0.67x a target step, and about three of them precede
+    each verification); ``colocated`` and ``serial`` run when asked for.
 
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
@@ -233,8 +252,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     if gpus:
         if gpus >= 2:
             return "async", f"auto: {gpus} GPUs, a draft group and a target group", {}
-        return "autoregressive", ("auto: one GPU, where serial and colocated measured 0.84x / 0.81x autoregressive "
-                                  "(the draft's forwards cost 0.6x the target's there)"), {}
+        return "autoregressive", ("auto: one GPU, where serial and colocated measured 0.62x / 0.58x autoregressive "
+                                  "(an H100: a draft forward costs 0.67x a target step)"), {}
     if profiled is not None and profiled.get("mode") in MODES:
         measured = profiled.get("_measured") or {}
         tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}

@@ -155,6 +155,9 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device == "cpu" and (config.target_devices is not None or config.draft_devices is not None):
             raise PlacementError("target_devices / draft_devices are GPU indices, but torch sees no CUDA device")
+        if self.device == "cpu" and config.draft_sms is not None:
+            raise ValueError(f"draft_sms={config.draft_sms} partitions a GPU's SMs, but device={config.device!r} "
+                             "runs on the CPU here (torch sees no CUDA device)")
         gpus = 0
         if self.device == "cuda":
             import torch
@@ -172,6 +175,9 @@ class Engine:
             profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
         mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
                                                    None if gpus else profiled, gpus)
+        if config.draft_sms is not None and mode != "colocated":
+            raise ValueError(f"draft_sms={config.draft_sms} splits one GPU between the colocated mode's two models, "
+                             f"but mode={config.mode!r} runs {mode!r} here ({self.mode_reason}): set mode='colocated'")
         payback = config.mode == "auto" if config.draft_payback is None else config.draft_payback
         self.config = config = replace(config, mode=mode, draft_payback=payback, **tree)
         self._procs: list[mp.Process] = []
@@ -267,7 +273,7 @@ class Engine:
                                   stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
                                   master_addr=self.config.master_addr,
                                   start_timeout_s=self.config.start_timeout_s,
-                                  draft_payback=self.config.draft_payback)
+                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]

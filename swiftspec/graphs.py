@@ -71,15 +71,22 @@ class PaddedStep:
         return b
 
     def capture(self, n: int) -> None:
-        """Capture the CUDA graph of bucket ``n`` (warm-up on a side stream first, as PyTorch requires)."""
+        """Capture the CUDA graph of bucket ``n`` (warm-up on a side stream first, as PyTorch requires).
+
+        The capture runs on the current stream unless that is the default stream (which cannot
+        capture; then on PyTorch's capture stream): a runner's own stream, which may belong to a
+        CUDA green context (``ModelRunner(sm_count=...)``), so the graph's kernels are recorded
+        in that context, the one they replay in."""
         b = self.buffers[n]
+        current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
             self.forward(b["ids"], b["pos"], b["slots"], b["mask"])  # slots are -1: writes nothing
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        own = current if current != torch.cuda.default_stream(self.device) else None
+        with torch.cuda.graph(graph, stream=own):
             out = self.forward(b["ids"], b["pos"], b["slots"], b["mask"])
         self.graphs[n] = (graph, out)
 

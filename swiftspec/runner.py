@@ -17,6 +17,7 @@ import torch
 from swiftspec.models.llama import load_model
 from swiftspec.parallel import LOCAL, TPContext
 from swiftspec.sampling import SampleHead, sample_rows
+from swiftspec.sm_partition import green_context_stream
 
 
 class ModelRunner:
@@ -46,17 +47,25 @@ class ModelRunner:
             priority (-1 high, 0 low; the colocated mode gives the target -1, the draft 0), so
             a launched forward (:meth:`launch`) overlaps the other model's; None: the current
             stream. Ignored on CPU.
+        sm_count: on CUDA, confine this model to that many streaming multiprocessors: its stream
+            is made in a CUDA green context of ``sm_count`` SMs (:func:`green_context_stream`;
+            the colocated mode's ``draft_sms``), so every kernel it launches, CUDA-graph
+            replays included (the graphs are captured on that stream), runs on those SMs only.
+            Replaces ``stream_priority`` (the stream has priority 0, the lowest). None: no
+            partition. Errors: those of :func:`green_context_stream` (``ValueError`` on CPU).
     """
 
     def __init__(self, model_dir: str, tp: TPContext = LOCAL, dtype: torch.dtype = torch.float32,
                  capacity: int = 4096, quant: str | None = None, logits_vocab: int | None = None,
                  weights: str = "native", device: torch.device | str = "cpu", stage: range | None = None,
                  track_positions: bool = False, stream_priority: int | None = None,
-                 graph_sizes: list[int] | None = None):
+                 graph_sizes: list[int] | None = None, sm_count: int | None = None):
         self.device = torch.device(device)
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.stream = None
-        if self.device.type == "cuda" and stream_priority is not None:
+        if sm_count is not None:  # the green context's stream: every kernel below runs on its SMs
+            self.stream = green_context_stream(sm_count, self.device)
+        elif self.device.type == "cuda" and stream_priority is not None:
             self.stream = torch.cuda.Stream(self.device, priority=stream_priority)
         # tree nodes sit up to one tree depth past the cache slots they are stored in
         if quant not in (None, "none", "int8"):

@@ -50,6 +50,9 @@ class WorkerSpec:
         weights: "native", "bfloat16" or "float32" (see :func:`swiftspec.models.llama.load_model`).
         draft_payback: serial mode: a :class:`swiftspec.payback.PaybackGate` decides per request
             whether the draft prefills (else the request runs on the target alone).
+        draft_sms: colocated mode on CUDA: the draft's stream lives in a green context of this
+            many SMs (``ModelRunner(sm_count=...)``); the target keeps the whole GPU. None: no
+            partition.
     """
 
     rank: int
@@ -77,6 +80,7 @@ class WorkerSpec:
     master_addr: str = "127.0.0.1"
     start_timeout_s: float = 600.0
     draft_payback: bool = False
+    draft_sms: int | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -123,6 +127,8 @@ def _setup(spec: WorkerSpec):
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
         if spec.kind == "colocated":  # a CUDA stream per model, the target's verification first
             extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
+            if role == ROLE_DRAFT and spec.draft_sms is not None:  # the draft on its share of the SMs
+                extra["sm_count"] = spec.draft_sms
         if spec.cuda_graphs and device.type == "cuda" and tp.size == 1:  # collectives are not captured
             extra["graph_sizes"] = graph_buckets(spec.tree.bs if role == ROLE_TARGET else 2 * spec.tree.bs)
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,

@@ -1,7 +1,7 @@
 """The engine on CUDA (device="cuda"): models, KV caches and step inputs on the GPU. Tiny random
 fp32 models whose draft is the target itself (so the compression ratio is well above 1.5):
-serial, colocated (CUDA streams) and async equal autoregressive greedy; sampled output follows
-the target distribution.
+serial, colocated (CUDA streams; also with the draft on an SM partition, a CUDA green context)
+and async equal autoregressive greedy; sampled output follows the target distribution.
 Skipped without a CUDA device (the CPU suite covers the same loops on "cpu")."""
 from collections import Counter
 
@@ -15,19 +15,24 @@ from swiftspec.scheduler import Request
 from swiftspec.target_state import TargetState
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_green = pytest.mark.skipif(not getattr(getattr(torch.cuda, "green_contexts", None), "SUPPORTED", False),
+                                 reason="this torch has no CUDA green contexts (draft_sms)")
+DRAFT_SMS = 16  # a multiple of Hopper's 8-SM granularity, a small share of any GPU that has green contexts
 
 PROMPT = [3, 40, 41, 42, 50, 60, 70, 33, 34, 35]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
-def _states(model_dir, streams: bool = False, **tree):
+def _states(model_dir, streams: bool = False, draft_sms: int | None = None, **tree):
     """Target and draft on the GPU; ``streams``: each on a stream of its own, as the colocated
-    worker runs them (the target's at high priority)."""
+    worker runs them (the target's at high priority); ``draft_sms``: the draft's stream in a green
+    context of that many SMs."""
     pt, pd = (-1, 0) if streams else (None, None)
     target = TargetState(RunnerHandle("target", ModelRunner(str(model_dir), capacity=512, device="cuda",
                                                             stream_priority=pt), []))
     draft = DraftState(RunnerHandle("draft", ModelRunner(str(model_dir), capacity=1024, device="cuda",
-                                                         stream_priority=pd), []), TreeParams(**tree))
+                                                         stream_priority=pd, sm_count=draft_sms), []),
+                       TreeParams(**tree))
     return target, draft
 
 
@@ -38,13 +43,14 @@ def _run(fn, *args):
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-@pytest.mark.parametrize("loop", ["serial", "colocated"])
-def test_runner_on_cuda_equals_autoregressive(tiny_dir, kernels, loop):
+@pytest.mark.parametrize("loop,draft_sms", [("serial", None), ("colocated", None),
+                                            pytest.param("colocated", DRAFT_SMS, marks=needs_green)])
+def test_runner_on_cuda_equals_autoregressive(tiny_dir, kernels, loop, draft_sms):
     from swiftspec import ops
 
     ops.set_kernels(kernels)
     try:
-        target, draft = _states(tiny_dir, streams=loop == "colocated")
+        target, draft = _states(tiny_dir, streams=loop == "colocated", draft_sms=draft_sms)
         assert target.runner.runner.kv.buf.is_cuda
         req = Request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), 40, (2,), 3, False)
         ref, _ = _run(scheduler.run_autoregressive, target, req)
@@ -89,15 +95,53 @@ def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir, loop):
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
+@needs_green
+def test_green_context_stream_confines_kernels_and_their_graphs():
+    """Work on a green_context_stream of DRAFT_SMS SMs runs on that share only: a compute-bound
+    matrix product takes several times longer there than on an ordinary stream, eagerly and as a
+    CUDA graph captured and replayed on it (as ModelRunner's graphs are)."""
+    from swiftspec.sm_partition import green_context_stream
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms < 4 * DRAFT_SMS:
+        pytest.skip(f"{sms} SMs: too few for a clear difference")
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    green, whole = green_context_stream(DRAFT_SMS, "cuda:0"), torch.cuda.Stream()
+
+    def timed(stream, fn, reps=10):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    full = timed(whole, lambda: x @ x)
+    graph = torch.cuda.CUDAGraph()
+    green.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=green):
+        x @ x
+    assert timed(green, lambda: x @ x) > 3 * full
+    assert timed(green, graph.replay) > 3 * full
+
+
 @pytest.fixture(scope="module")
 def cuda_reference(tiny_dir):
     with Engine(tiny_dir, mode="autoregressive", dtype="float32", device="cuda") as eng:
         return eng.generate("hello world, this is a test", GREEDY)
 
 
-@pytest.mark.parametrize("mode", ["auto", "serial", "colocated"])
-def test_engine_on_one_gpu(tiny_dir, cuda_reference, mode):
-    with Engine(tiny_dir, tiny_dir, mode=mode, dtype="float32", device="cuda", target_devices=[0]) as eng:
+@pytest.mark.parametrize("mode,draft_sms", [("auto", None), ("serial", None), ("colocated", None),
+                                            pytest.param("colocated", DRAFT_SMS, marks=needs_green)])
+def test_engine_on_one_gpu(tiny_dir, cuda_reference, mode, draft_sms):
+    """draft_sms: the colocated draft on an SM partition (its decode steps' CUDA graphs captured on
+    its green-context stream)."""
+    with Engine(tiny_dir, tiny_dir, mode=mode, dtype="float32", device="cuda", target_devices=[0],
+                draft_sms=draft_sms) as eng:
         # auto on one GPU: autoregressive, measured fastest there (bench/RESULTS.md run 27)
         assert eng.config.mode == ("autoregressive" if mode == "auto" else mode)
         out = eng.generate("hello world, this is a test", GREEDY)

@@ -1,6 +1,9 @@
 """Device placement (swiftspec.placement): device resolution, GPU splits, groups, the collective
 backend, and the engine's configuration errors. GPU machines are simulated where only the
 count of devices matters; nothing here needs CUDA."""
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,7 +113,7 @@ def test_auto_mode_on_gpus():
     assert engine.choose_mode(auto, True, None, gpus=2)[0] == "async"
     # one GPU: autoregressive, measured fastest there (run 27); the CPU profile does not apply
     mode, why, tree = engine.choose_mode(auto, True, {"mode": "async"}, gpus=1)
-    assert mode == "autoregressive" and "one GPU" in why and "0.84x" in why and tree == {}
+    assert mode == "autoregressive" and "one GPU" in why and "0.62x" in why and tree == {}
     assert engine.choose_mode(engine.EngineConfig(mode="colocated"), True, None, gpus=1)[0] == "colocated"
     assert engine.choose_mode(engine.EngineConfig(mode="async"), True, None, gpus=1)[0] == "async"
 
@@ -125,3 +128,122 @@ def test_engine_device_errors(tiny_dir, monkeypatch):
         Engine(tiny_dir, mode="autoregressive", device="cuda")
     with pytest.raises(PlacementError, match="GPU indices"):
         Engine(tiny_dir, mode="autoregressive", target_devices=[0])  # device auto -> cpu here
+
+
+def test_draft_sms_needs_colocated_on_cuda(tiny_dir, monkeypatch):
+    """draft_sms (the colocated mode's SM partition) with a value, mode or device it cannot apply to."""
+    for bad, match in ((dict(draft_sms=0), "positive"), (dict(draft_sms=-8), "positive"),
+                       (dict(draft_sms=8.0), "positive"), (dict(draft_sms=True), "positive"),
+                       (dict(draft_sms=8, mode="serial"), "mode='colocated'"),
+                       (dict(draft_sms=8, mode="async"), "mode='colocated'"),
+                       (dict(draft_sms=8, mode="autoregressive"), "mode='colocated'"),
+                       (dict(draft_sms=8, device="cpu"), "device 'cuda'")):
+        with pytest.raises(ValueError, match=match):
+            engine.EngineConfig(**{"mode": "colocated", **bad})
+    assert engine.EngineConfig(mode="colocated", draft_sms=32).draft_sms == 32
+    assert engine.EngineConfig(draft_sms=32).mode == "auto"  # decided once the mode is resolved
+    _cuda_visible(monkeypatch, 0)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        Engine(tiny_dir, tiny_dir, mode="colocated", draft_sms=8)  # device auto -> cpu here
+    _cuda_visible(monkeypatch, 1)
+    with pytest.raises(ValueError, match="runs 'autoregressive'.*one GPU"):
+        Engine(tiny_dir, tiny_dir, draft_sms=8)  # auto on one GPU: autoregressive, no draft stream to confine
+
+
+def test_draft_sms_from_the_command_line_and_bench_config(tiny_dir, capsys):
+    from swiftspec import cli
+    from swiftspec.benchmark.e2e import expand_systems
+
+    for cmd in ("generate", "serve"):
+        args = cli.build_parser().parse_args([cmd, "--mode", "colocated", "--draft-sms", "32", "--device", "cuda"])
+        cfg = engine.EngineConfig(**cli.engine_kwargs(args))
+        assert (cfg.mode, cfg.device, cfg.draft_sms) == ("colocated", "cuda", 32)
+    assert "draft_sms" not in cli.engine_kwargs(cli.build_parser().parse_args(["generate"]))
+    # `swiftspec bench --systems swiftspec-profiled --config bench/colocated-sm-partition.json`
+    path = str(Path(__file__).resolve().parents[1] / "bench" / "colocated-sm-partition.json")
+    assert expand_systems(["autoregressive", "swiftspec-profiled"], [path])[1] == ("swiftspec-profiled", path)
+    cfg = engine.EngineConfig.from_json(path, dtype="bfloat16", device="cuda")  # as EngineSystem reads it
+    assert (cfg.mode, cfg.draft_sms) == ("colocated", 32)
+    # a combination that cannot run is a usage error (exit status 2) before any model loads
+    assert cli.main(["generate", "--prompt", "x", "--target", str(tiny_dir), "--draft", str(tiny_dir),
+                     "--mode", "serial", "--draft-sms", "8"]) == 2
+    assert "draft_sms" in capsys.readouterr().err
+
+
+def test_green_context_stream_on_simulated_apis(monkeypatch):
+    """swiftspec.sm_partition.green_context_stream against fakes of torch's green contexts and the CUDA
+    driver: either torch API (a context with Stream(), or one with only set_context() /
+    pop_context(), where the stream is made in the pushed context), and every failure named,
+    a stream the driver does not place in a green context included (no silent whole-GPU stream)."""
+    from swiftspec import sm_partition
+    from swiftspec.runner import ModelRunner
+    from swiftspec.sm_partition import green_context_stream
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        ModelRunner("unused", device="cpu", sm_count=8)
+    with pytest.raises(ValueError, match="positive"):
+        green_context_stream(0, "cuda:0")
+    green = torch.cuda.green_contexts
+    monkeypatch.setattr(green, "SUPPORTED", False)
+    with pytest.raises(RuntimeError, match="SUPPORTED is false"):
+        green_context_stream(8, "cuda:0")
+    monkeypatch.setattr(green, "SUPPORTED", True)
+    monkeypatch.setattr(sm_partition, "_GREEN_CONTEXTS", [])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("external", handle, device))
+    calls = []
+
+    class Driver:  # ctypes.byref(x)._obj is x
+        owner = 0x77
+
+        def cuStreamCreateWithPriority(self, ref, flags, priority):
+            calls.append(("create", flags, priority))
+            ref._obj.value = 0x5000
+            return 0
+
+        def cuStreamGetGreenCtx(self, stream, ref):
+            calls.append(("owner", stream.value))
+            ref._obj.value = self.owner
+            return 0
+
+    driver = Driver()
+    monkeypatch.setattr(sm_partition, "_cuda_driver", lambda: driver)
+
+    class WithStream:
+        def Stream(self):
+            return SimpleNamespace(cuda_stream=0x4000)
+
+    class PushPop:
+        def set_context(self):
+            calls.append("set")
+
+        def pop_context(self):
+            calls.append("pop")
+
+    def api(ctx_type, fail=None):
+        def create(num_sms, device_id):
+            calls.append(("green", num_sms, device_id))
+            if fail:
+                raise RuntimeError(fail)
+            return ctx_type()
+        monkeypatch.setattr(green, "GreenContext", SimpleNamespace(create=create))
+
+    with pytest.raises(ValueError, match="has 132 SMs"):
+        green_context_stream(200, "cuda:1")
+    api(WithStream)
+    assert green_context_stream(32, "cuda:1").cuda_stream == 0x4000
+    assert calls == [("green", 32, 1), ("owner", 0x4000)] and len(sm_partition._GREEN_CONTEXTS) == 1
+    calls.clear()
+    api(PushPop)
+    assert green_context_stream(16, "cuda:0") == ("external", 0x5000, torch.device("cuda", 0))
+    assert calls == [("green", 16, 0), "set", ("create", 1, 0), "pop", ("owner", 0x5000)]
+    api(object)
+    with pytest.raises(RuntimeError, match="neither Stream"):
+        green_context_stream(16, "cuda:0")
+    api(WithStream, fail="cuda driver too old to use green context!")
+    with pytest.raises(RuntimeError, match="could not create.*16 SMs.*driver too old"):
+        green_context_stream(16, "cuda:0")
+    api(WithStream)
+    driver.owner = 0
+    with pytest.raises(RuntimeError, match="does not belong.*whole GPU"):
+        green_context_stream(16, "cuda:0")
