@@ -449,8 +449,8 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     # run 26: the AVX2 build's ratios the README quotes, from their records
     from swiftspec.benchmark.e2e import overall
 
-    def records(name):
-        return json.loads((root / "bench" / "results" / name).read_text())["records"]
+    def records(name, key="records"):
+        return json.loads((root / "bench" / "results" / name).read_text())[key]
 
     def ratio(name, system, ref, dataset=None):
         tot = overall([r for r in records(name) if dataset is None or r["dataset"] == dataset])
@@ -507,17 +507,21 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
-    # run 27 (an H200): the README's GPU numbers are those of their records
-    tot = overall(json.loads((root / "bench" / "results" / "gpu-h200-run27c-e2e.json").read_text())["records"])
+    # run 32 (an H100): the README's GPU numbers are those of their records
+    tot = overall(records("gpu-h100-run32-e2e.json"))
     ar = tot["autoregressive"]
-    assert (f"`autoregressive` decodes {ar:.1f} tokens/s, `serial` {tot['swiftspec-serial']:.1f} "
-            f"({tot['swiftspec-serial'] / ar:.2f}x), `colocated` {tot['swiftspec-colocated']:.1f} "
-            f"({tot['swiftspec-colocated'] / ar:.2f}x), transformers eager {tot['hf']:.1f} and transformers with a "
-            f"static cache + `torch.compile` {tot['hf-compile']:.1f} ({tot['hf-compile'] / ar:.2f}x ours)") in text
-    fwd = json.loads((root / "bench" / "results" / "gpu-h200-run27c-device-forward.json").read_text())["rows"][0]
-    assert (fwd["rows"], fwd["model"]) == (1, "qwen2.5-coder-1.5b-instruct")
+    fwd = records("gpu-h100-run32-device-forward.json", "rows")[0]
+    before = records("gpu-h100-run32-device-forward-before.json", "rows")[0]
+    assert (fwd["rows"], fwd["model"]) == (before["rows"], before["model"]) == (1, "qwen2.5-coder-1.5b-instruct")
     assert (f"takes {1e3 * fwd['graph_s']:.2f} ms at 1 row with a 512-token cache, {100 * fwd['of_limit']:.0f} % of "
-            f"the HBM limit ({1e3 * fwd['limit_s']:.2f} ms)") in text
+            f"the HBM limit ({1e3 * fwd['limit_s']:.2f} ms), {before['graph_s'] / fwd['graph_s']:.2f}x faster") in text
+    assert (f"our `autoregressive` decodes {ar:.2f} tokens/s ({100 * fwd['limit_s'] * ar:.0f} % of the HBM limit "
+            f"per token), {ar / tot['hf-compile']:.2f}x transformers with a static cache + `torch.compile` "
+            f"({tot['hf-compile']:.2f}); `serial` {tot['swiftspec-serial']:.2f} ({tot['swiftspec-serial'] / ar:.2f}x "
+            f"ours), `colocated` {tot['swiftspec-colocated']:.2f} ({tot['swiftspec-colocated'] / ar:.2f}x), `colocated` "
+            f"with the draft on 32 SMs {tot['swiftspec-profiled']:.2f} ({tot['swiftspec-profiled'] / ar:.2f}x)") in text
+    assert {r["engine"]["draft_sms"] for r in records("gpu-h100-run32-e2e.json")
+            if r["system"] == "swiftspec-profiled"} == {32}
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
 
