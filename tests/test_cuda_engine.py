@@ -95,40 +95,6 @@ def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir, loop):
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
-@needs_green
-def test_green_context_stream_confines_kernels_and_their_graphs():
-    """Work on a green_context_stream of DRAFT_SMS SMs runs on that share only: a compute-bound
-    matrix product takes several times longer there than on an ordinary stream, eagerly and as a
-    CUDA graph captured and replayed on it (as ModelRunner's graphs are)."""
-    from swiftspec.sm_partition import green_context_stream
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if sms < 4 * DRAFT_SMS:
-        pytest.skip(f"{sms} SMs: too few for a clear difference")
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    green, whole = green_context_stream(DRAFT_SMS, "cuda:0"), torch.cuda.Stream()
-
-    def timed(stream, fn, reps=10):
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm-up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    full = timed(whole, lambda: x @ x)
-    graph = torch.cuda.CUDAGraph()
-    green.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=green):
-        x @ x
-    assert timed(green, lambda: x @ x) > 3 * full
-    assert timed(green, graph.replay) > 3 * full
-
-
 @pytest.fixture(scope="module")
 def cuda_reference(tiny_dir):
     with Engine(tiny_dir, mode="autoregressive", dtype="float32", device="cuda") as eng:
