@@ -116,41 +116,33 @@ __device__ __forceinline__ void load_vec(const T* p, int valid, float* out) {
   }
 }
 
-// Copy `count` elements of T from global `src` to shared `dst` with the whole block, every load
-// issued before any store (one memory latency). VEC: 16-byte pieces (src 16-byte aligned, count a
-// multiple of 16 bytes), else element by element. Plain loads (see load_vec).
+// Copy `count` elements of E (at most kStageBytes) from global `src` to shared `dst` with the
+// whole block, every load issued before any store (one memory latency). Plain loads (see load_vec).
+template <typename E>
+__device__ __forceinline__ void stage_copy(const E* src, int count, E* dst) {
+  constexpr int kPer = kStageBytes / static_cast<int>(sizeof(E)) / kAttnThreads;
+  E r[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int x = threadIdx.x + u * kAttnThreads;
+    if (x < count) r[u] = src[x];
+  }
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int x = threadIdx.x + u * kAttnThreads;
+    if (x < count) dst[x] = r[u];
+  }
+}
+
+// `count` elements of T to shared memory: VEC as 16-byte pieces (src 16-byte aligned, count a
+// multiple of 16 bytes), else element by element.
 template <typename T, bool VEC>
 __device__ __forceinline__ void stage_rows(const T* src, int count, T* dst) {
-  constexpr int kPer = kStageBytes / 16 / kAttnThreads;  // 16-byte pieces per thread at most
-  if constexpr (VEC) {
-    const int pieces = count * static_cast<int>(sizeof(T)) / 16;
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
-    uint4* d4 = reinterpret_cast<uint4*>(dst);
-    uint4 r[kPer];
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int x = threadIdx.x + u * kAttnThreads;
-      if (x < pieces) r[u] = s4[x];
-    }
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int x = threadIdx.x + u * kAttnThreads;
-      if (x < pieces) d4[x] = r[u];
-    }
-  } else {
-    constexpr int kElems = kStageBytes / static_cast<int>(sizeof(T)) / kAttnThreads;
-    T r[kElems];
-#pragma unroll
-    for (int u = 0; u < kElems; ++u) {
-      const int x = threadIdx.x + u * kAttnThreads;
-      if (x < count) r[u] = src[x];
-    }
-#pragma unroll
-    for (int u = 0; u < kElems; ++u) {
-      const int x = threadIdx.x + u * kAttnThreads;
-      if (x < count) dst[x] = r[u];
-    }
-  }
+  if constexpr (VEC)
+    stage_copy(reinterpret_cast<const uint4*>(src), count * static_cast<int>(sizeof(T)) / 16,
+               reinterpret_cast<uint4*>(dst));
+  else
+    stage_copy(src, count, dst);
 }
 
 // Merge online-softmax state (m2, l2, a2) into (m, l, a): the log-sum-exp rule, fully masked
