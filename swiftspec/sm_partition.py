@@ -19,8 +19,7 @@ _GREEN_CONTEXTS: list = []
 def green_context_stream(sm_count: int, device: torch.device | str) -> torch.cuda.Stream:
     """A CUDA stream of ``device`` whose kernels run on ``sm_count`` of its SMs only.
 
-    Source: CUDA green contexts (cuDevSmResourceSplitByCount + cuGreenCtxCreate: a context on a
-    share of the SMs, then a stream in it; the FlashInfer ``green_ctx.py`` recipe), through
+    The green context (see the module docstring for the source) comes from
     ``torch.cuda.green_contexts.GreenContext.create(num_sms=, device_id=)``. The stream comes
     from the context's ``Stream()`` where torch has it (cuGreenCtxStreamCreate inside torch);
     otherwise (torch builds whose GreenContext has only ``set_context`` / ``pop_context``) the
