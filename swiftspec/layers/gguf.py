@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swiftspec import ops
+from swiftspec import host_memory, ops
 from swiftspec.ops import quant
 from swiftspec.parallel import PAD, take_shard
 
@@ -81,8 +81,9 @@ class GGUFWeight(nn.Module):
             # start at a multiple of its group's output columns (the kernels take whole groups)
             starts = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
             self.types = [quant.interleaved_type(t, n, s, interleave) for s, n, t in zip(starts, part_sizes, self.types)]
+        # on huge pages where the host has them (swiftspec.host_memory): a forward streams these
         self.parts = nn.ParameterList(
-            nn.Parameter(torch.empty(n, quant.row_bytes(t, in_features), dtype=torch.uint8), requires_grad=False)
+            nn.Parameter(host_memory.empty((n, quant.row_bytes(t, in_features))), requires_grad=False)
             for n, t in zip(part_sizes, self.types))
         for p in self.parts:
             p.weight_loader = self.weight_loader
