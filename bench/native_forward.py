@@ -16,10 +16,6 @@ quantized-GEMM kernel (default: the one dispatch picks), side by side.
     python bench/native_forward.py --model draft --threads 2 --out bench/results/native-forward-draft-avx2.json
     python bench/native_forward.py --only-dispatched --dtype bfloat16 --prefill 128 512 --out r.json
 
-``--pages huge 4k`` times the native weights on the huge pages the engine allocates them on
-(:mod:`swiftspec.host_memory`) and copied to ordinary 4 KiB pages, one after the other; each
-row records its pages and the process's ``AnonHugePages`` bytes.
-
 ``--prefill N ...`` also times prompts of N tokens through the dispatched native path (a request's
 time to first token, less tokenization), recorded under "prefill".
 """
@@ -69,7 +65,6 @@ def main() -> None:
     from swiftspec import host_memory, ops
     from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
     from swiftspec.loader import fetch_default_pair
-    from swiftspec.layers.gguf import GGUFWeight
     from swiftspec.models.llama import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,9 +78,6 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     ap.add_argument("--only-dispatched", action="store_true",
                     help="time the dispatched kernel's layout only (no plain layout, kernels off or float32 rows)")
-    ap.add_argument("--pages", nargs="+", choices=["huge", "4k"], default=["huge"],
-                    help="the native weights' pages: huge (as the engine allocates them, swiftspec.host_memory) "
-                         "and/or 4k (the same weights copied to ordinary 4 KiB pages), side by side")
     ap.add_argument("--out")
     args = ap.parse_args()
     path = fetch_default_pair(progress=False)[0 if args.model == "target" else 1]
@@ -93,26 +85,20 @@ def main() -> None:
     bw = read_bandwidth(torch.device("cpu"), args.threads)
     rows_out = []
     default_impl = ops.cpu_dispatch()["quant_gemm"]
-    configs = [("native", True, "x8", impl, pages) for impl in (args.quant_gemm or [default_impl])
-               for pages in args.pages]
+    configs = [("native", True, "x8", impl) for impl in (args.quant_gemm or [default_impl])]
     if not args.only_dispatched:
-        configs += [("native", True, "plain", default_impl, "huge"), ("native", False, "plain", "-", "huge"),
-                    ("float32", True, "-", "-", "huge")]
+        configs += [("native", True, "plain", default_impl), ("native", False, "plain", "-"),
+                    ("float32", True, "-", "-")]
     dtype = getattr(torch, args.dtype)
     prefills = []
-    for weights, kernels, layout, impl, pages in configs:
+    for weights, kernels, layout, impl in configs:
         ops.set_kernels(kernels)
         ops.set_quant_x8(layout == "x8")
         ops.set_quant_gemm(impl if impl != "-" else default_impl)
         if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
             layout = f"x{ops.quant_interleave_rows()}"
         model = load_model(path, dtype=dtype, max_positions=max(512, *args.prefill, 0) + 16, weights=weights)
-        if pages == "4k":  # the block weights moved to ordinary pages (torch's allocator)
-            for mod in model.modules():
-                if isinstance(mod, GGUFWeight):
-                    for p in mod.parts:
-                        p.data = p.data.clone()
-        huge_bytes = host_memory.huge_page_bytes()
+        huge_bytes = host_memory.huge_page_bytes()  # the block weights' huge pages (swiftspec.host_memory)
         nbytes = weight_read_bytes(model, vocab)
         before = read_bandwidth(torch.device("cpu"), args.threads)
         for rows in (1, 2, 4, 8):
@@ -122,11 +108,11 @@ def main() -> None:
             # better of the two probes taken right before and right after it
             near = max(before, after)
             before = after
-            rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "quant_gemm": impl, "pages": pages,
+            rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "quant_gemm": impl,
                              "huge_page_bytes": huge_bytes, "rows": rows,
                              "ms": t * 1e3, "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9,
                              "bandwidth_gb_s": near / 1e9, "of_bandwidth": nbytes / t / near})
-            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} {impl:15s} {pages:4s} rows={rows:2d} "
+            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} {impl:15s} rows={rows:2d} "
                   f"{t * 1e3:8.1f} ms {nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / near:5.0%} of {near / 1e9:.1f} GB/s",
                   flush=True)
         if weights == "native" and kernels and layout != "plain" and impl == default_impl:
