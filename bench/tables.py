@@ -78,8 +78,16 @@ def render(record) -> str:
                 f"{record['ttft_s']:.2f} s, mode {record['mode']} ({m.get('mode_reason', '')}), kernels {m.get('kernels')}")
     if isinstance(record, dict) and ("soak" in record or "overhead" in record):
         return _server(record)
+    if isinstance(record, dict) and "huge_page_bytes_after_load" in record:  # bench/huge_pages.py
+        lines = [f"{record['model']} model, {record['threads']} threads, kernel {record['quant_gemm']}, "
+                 f"{record['huge_page_bytes_after_load'] / 2**20:.0f} MiB on huge pages after the load", "",
+                 "| rows | huge pages: min ms | median ms | 4 KiB pages: min ms | median ms | speedup: min | median |",
+                 "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['rows']} | {r['huge_min_ms']:.1f} | {r['huge_median_ms']:.1f} | {r['4k_min_ms']:.1f} | "
+                  f"{r['4k_median_ms']:.1f} | {r['speedup_min']:.3f}x | {r['speedup_median']:.3f}x |" for r in record["results"]]
+        return "\n".join(lines)
     raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
-                     "bench/accuracy.py, swiftspec generate --json or bench/server_load.py")
+                     "bench/accuracy.py, bench/huge_pages.py, swiftspec generate --json or bench/server_load.py")
 
 
 def _server(record: dict) -> str:

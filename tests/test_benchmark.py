@@ -496,7 +496,7 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     assert (f"the summarization requests take {time_ratio(name31, auto, 'autoregressive', 'sum')} the target alone's "
             f"time with the gate and {time_ratio(name31, plain, 'autoregressive', 'sum')} without") in text
     name33 = "run33-zen3-6x5-1.json"
-    for name in run31 + [name31, name33]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
+    for name in run31 + [name31, name33, "run34-zen3-6x5-1.json"]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
         rs = [r for r in records(name) if r["system"] in (auto, plain)]
         assert all(r["matches_target"] for r in rs) and len(rs) == 60
         assert {r["dataset"] for r in rs if r["ran"] == "autoregressive"} == {"sum"}
@@ -508,23 +508,35 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
     assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
-    # run 33 (a real Zen 3): the README's table, ratios and forward times are those of their records
-    tot33 = overall(records(name33))
+    # runs 34 and 33 (a real Zen 3): the README's table, ratios and forward times are those of their records
+    name34 = "run34-zen3-6x5-1.json"
+    tot34, tot33 = overall(records(name34)), overall(records(name33))
     for system, label in ((auto, "SwiftSpec, default configuration"), (plain, "the same without the gate"),
                           ("autoregressive", "our `autoregressive`"), ("llama-cpp", "llama.cpp on the same GGUF")):
-        row = f"{tot33[system]:.2f} | {tot33[system] / tot33['llama-cpp']:.2f}x |"
+        row = f"{tot34[system]:.2f} | {tot34[system] / tot34['llama-cpp']:.2f}x |"
         assert any(line.startswith(f"| {label}") and row in line for line in readme.splitlines()), system
-    assert (f"the default mode decodes {tot33[auto] / tot33['llama-cpp']:.2f}x llama.cpp, our `autoregressive` "
+    assert (f"the default mode decodes {tot34[auto] / tot34['llama-cpp']:.2f}x llama.cpp, our `autoregressive` "
+            f"{tot34['autoregressive'] / tot34['llama-cpp']:.2f}x; the previous run (run 33, the same code but "
+            f"for the huge pages below) measured {tot33[auto] / tot33['llama-cpp']:.2f}x and "
             f"{tot33['autoregressive'] / tot33['llama-cpp']:.2f}x") in text
-    assert f"(the default mode {ratio(name33, auto, 'autoregressive', 'qa')} our" in text
-    for model, rows in (("target", (1, 2, 4, 8)), ("draft", (1, 2))):
-        rec = {r["rows"]: r for r in records(f"native-forward-{model}-zen3-run33.json", "rows")}
-        assert " / ".join(f"{rec[n]['ms']:.1f}" for n in rows) in text, model
-        if model == "target":
-            assert f"{100 * rec[1]['of_bandwidth']:.0f} % of the read" in text
-    cmd33 = [records(f"readme-command-zen3-run33-{i}.json", "metrics") for i in (1, 2)]
-    assert all(m["mode"] == "serial" for m in cmd33)
-    assert f"decoded at {cmd33[0]['tokens_per_s']:.1f} and {cmd33[1]['tokens_per_s']:.1f} tokens/s in two runs" in text
+    assert (f"(the default mode {ratio(name34, auto, 'autoregressive', 'qa')} our `autoregressive` there in run 34, "
+            f"{ratio(name33, auto, 'autoregressive', 'qa')} in run 33)") in text
+    for run in (34, 33):
+        for model, rows in (("target", (1, 2, 4, 8)), ("draft", (1, 2))):
+            rec = {r["rows"]: r for r in records(f"native-forward-{model}-zen3-run{run}.json", "rows")}
+            assert " / ".join(f"{rec[n]['ms']:.1f}" for n in rows) in text, (run, model)
+            if model == "target":
+                assert (f"{100 * rec[1]['of_bandwidth']:.0f} % of {'the read bandwidth at 1 row against that run' + chr(39) + 's probe of ' if run == 34 else ''}"
+                        f"{rec[1]['bandwidth_gb_s']:.1f} GB/s") in text, run
+    cmd34, cmd33 = ([records(f"readme-command-zen3-run{run}-{i}.json", "metrics") for i in (1, 2)] for run in (34, 33))
+    assert all(m["mode"] == "serial" for m in cmd34 + cmd33)
+    assert (f"decoded at {cmd34[0]['tokens_per_s']:.1f} and {cmd34[1]['tokens_per_s']:.1f} tokens/s in two runs "
+            f"(`bench/results/readme-command-zen3-run34-{{1,2}}.json`; {cmd33[0]['tokens_per_s']:.1f} and "
+            f"{cmd33[1]['tokens_per_s']:.1f} in run 33)") in text
+    for model, names in (("target", ("-1", "-2")), ("draft", ("",))):  # the huge pages' median speedups
+        med = [r["speedup_median"] for s in names for r in records(f"huge-pages-{model}-zen3-run34{s}.json", "results")]
+        assert f"was {min(med):.3f}-{max(med):.3f}x for the {model}" in text or \
+            f"and {min(med):.3f}-{max(med):.3f}x for the {model}" in text, model
     # run 32 (an H100): the README's GPU numbers are those of their records
     tot = overall(records("gpu-h100-run32-e2e.json"))
     ar = tot["autoregressive"]
