@@ -5,10 +5,10 @@ into the cores. With 4 KiB pages that stream crosses a page every 4 KiB: a TLB m
 page walk each time, and the hardware prefetchers, which track streams within a page, start
 over. :func:`empty` gives a tensor whose pages Linux may back with 2 MiB pages instead
 (``madvise(MADV_HUGEPAGE)``, honoured where ``/sys/kernel/mm/transparent_hugepage/enabled``
-says ``always`` or ``madvise``), as llama.cpp's memory-mapped model files get from the page
-cache. The block-format weights (:class:`swiftspec.layers.gguf.GGUFWeight`) are made by it when
-their layer is built, so the loader copies the file's blocks straight into them. Measured in
-bench/RESULTS.md ("huge pages").
+says ``always`` or ``madvise``). The block-format weights
+(:class:`swiftspec.layers.gguf.GGUFWeight`) are made by it when their layer is built, so the
+loader copies the file's blocks straight into them. Measured against 4 KiB pages by
+bench/huge_pages.py (bench/RESULTS.md, run 34).
 
 The memory is an anonymous private mapping owned by the tensor's storage (``torch.frombuffer``
 keeps the mapping alive; it is unmapped with the last tensor that views it); a fork's child gets
