@@ -19,18 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def step_fn(model, rows: int, vocab: int | None):
-    """A closure running one forward of ``rows`` rows (+ LM head) at position 100 of a fresh KV cache."""
-    n = 100
-    kv = model.make_kv_cache(256)
-    ids, pos = torch.randint(0, 1000, (n,)), torch.arange(n)
-    model.compute_logits(model(ids, pos, pos.clone(), torch.ones(n, 256, dtype=torch.bool).tril(), kv)[-1:], vocab)
-    ids1, pos1, slots = torch.randint(0, 1000, (rows,)), torch.full((rows,), n), torch.arange(n, n + rows)
-    mask1 = torch.zeros(rows, 256, dtype=torch.bool)
-    mask1[:, : n + rows] = True
-    return lambda: model.compute_logits(model(ids1, pos1, slots, mask1, kv), vocab)
+from native_forward import step_fn  # the forward native_forward.py times (bench/ is this script's path)
 
 
 def main() -> None:

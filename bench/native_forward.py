@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 
-def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> float:
+def step_fn(model, rows: int, vocab: int | None = None):
+    """A closure running one forward of ``rows`` rows (+ LM head) at position 100 of a fresh
+    256-slot KV cache, after a 100-token prefill (also used by bench/huge_pages.py)."""
     n = 100
     kv = model.make_kv_cache(256)
     ids = torch.randint(0, 1000, (n,))
@@ -39,10 +41,15 @@ def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> flo
     ids1, pos1, slots = torch.randint(0, 1000, (rows,)), torch.full((rows,), n), torch.arange(n, n + rows)
     mask1 = torch.zeros(rows, 256, dtype=torch.bool)
     mask1[:, : n + rows] = True
+    return lambda: model.compute_logits(model(ids1, pos1, slots, mask1, kv), vocab)
+
+
+def time_forward(model, rows: int, rounds: int, vocab: int | None = None) -> float:
+    step = step_fn(model, rows, vocab)
     best = float("inf")
     for _ in range(rounds + 1):
         t = time.perf_counter()
-        model.compute_logits(model(ids1, pos1, slots, mask1, kv), vocab)
+        step()
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -50,7 +50,7 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.uint8) 
     """
     if any(int(n) < 0 for n in shape):
         raise ValueError(f"negative dimension in {tuple(shape)}")
-    nbytes = math.prod(int(n) for n in shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or torch.get_default_device().type != "cpu" or not huge_pages_available():
         return torch.empty(shape, dtype=dtype)
     # one huge page more than asked, so a 2 MiB-aligned start lies inside (the tail stays untouched
