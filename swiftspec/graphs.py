@@ -5,7 +5,9 @@ cache slots they attend to grows. Padding every step to a few batch sizes, with 
 ``[n_bucket, C]`` (``C`` = KV-cache capacity, the paper's ``(w, max_seq_len)``), makes every tensor
 shape static, so one graph per bucket serves every tree shape and context length. Padded rows are
 harmless: their slot is -1 (no KV write) and their mask row is all False (the attention kernels
-return zeros for a fully masked row), and rows never mix outside attention.
+return zeros for a fully masked row), and rows never mix outside attention. The number of slots in
+use (the unpadded mask's width) goes to the step as a device-side ``kv_len``, so the CUDA attention
+kernel reads and splits the keys in use rather than the whole capacity on every replay.
 
 On CUDA each bucket is captured once with ``torch.cuda.graph`` and replayed; elsewhere the same
 static buffers run eagerly, which is how the padding logic is tested on machines without a GPU.
@@ -16,15 +18,18 @@ from typing import Callable
 
 import torch
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PaddedStep:
-    """Run ``forward(input_ids, positions, slots, mask)`` padded to static bucket shapes.
+    """Run ``forward(input_ids, positions, slots, mask, kv_len)`` padded to static bucket shapes.
 
     Args:
-        forward: the model step, e.g. ``lambda ids, pos, slots, mask: model(ids, pos, slots, mask, kv)``;
-            it must return ``[n, hidden]`` and write K/V only through ``slots`` (``-1`` = skip).
+        forward: the model step, e.g. ``lambda ids, pos, slots, mask, kv_len: model(ids, pos, slots,
+            mask, kv, kv_len)``; it must return ``[n, hidden]`` and write K/V only through
+            ``slots`` (``-1`` = skip). ``kv_len`` (``[1]`` int64) holds the unpadded mask's width
+            ``S``: the mask's columns from ``S`` on are all False (see
+            :meth:`swiftspec.models.llama.LlamaForCausalLM.forward`).
         sizes: batch buckets in tokens, e.g. ``[w]`` for the draft, ``[bs]`` for the target, or
             ``[1, 2, 4, 8, 16]``. A call with more tokens than the largest bucket runs unpadded.
         capacity: KV-cache slots ``C``; masks are padded to ``[bucket, C]``.
@@ -53,7 +58,8 @@ class PaddedStep:
         return {"ids": torch.zeros(n, dtype=torch.long, device=d),
                 "pos": torch.zeros(n, dtype=torch.long, device=d),
                 "slots": torch.full((n,), -1, dtype=torch.long, device=d),
-                "mask": torch.zeros(n, self.capacity, dtype=torch.bool, device=d)}
+                "mask": torch.zeros(n, self.capacity, dtype=torch.bool, device=d),
+                "kv_len": torch.zeros(1, dtype=torch.long, device=d)}
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` tokens, or None when none does."""
@@ -68,6 +74,7 @@ class PaddedStep:
         b["pos"].zero_()[:n].copy_(positions)
         b["slots"].fill_(-1)[:n].copy_(slots)
         b["mask"].zero_()[:n, :S].copy_(mask)
+        b["kv_len"].fill_(S)
         return b
 
     def capture(self, n: int) -> None:
@@ -82,13 +89,16 @@ class PaddedStep:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self.forward(b["ids"], b["pos"], b["slots"], b["mask"])  # slots are -1: writes nothing
+            self._forward(b)  # slots are -1: writes nothing
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         own = current if current != torch.cuda.default_stream(self.device) else None
         with torch.cuda.graph(graph, stream=own):
-            out = self.forward(b["ids"], b["pos"], b["slots"], b["mask"])
+            out = self._forward(b)
         self.graphs[n] = (graph, out)
+
+    def _forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.forward(b["ids"], b["pos"], b["slots"], b["mask"], b["kv_len"])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -98,10 +108,10 @@ class PaddedStep:
         n = input_ids.shape[0]
         size = self.bucket(n)
         if size is None:
-            return self.forward(input_ids, positions, slots, mask)
+            return self.forward(input_ids, positions, slots, mask, None)
         b = self._fill(n, input_ids, positions, slots, mask)
         if not self.use_graphs:
-            return self.forward(b["ids"], b["pos"], b["slots"], b["mask"])[:n]
+            return self._forward(b)[:n]
         if size not in self.graphs:
             self.capture(size)
         graph, out = self.graphs[size]

@@ -80,7 +80,7 @@ class ModelRunner:
         if graph_sizes:
             from swiftspec.graphs import PaddedStep
 
-            self.step = PaddedStep(lambda i, p, s, m: self.model(i, p, s, m, self.kv), graph_sizes, capacity,
+            self.step = PaddedStep(lambda i, p, s, m, n: self.model(i, p, s, m, self.kv, n), graph_sizes, capacity,
                                    self.device)
             if self.step.use_graphs:  # every bucket now, so no request pays for a capture
                 try:

@@ -167,11 +167,16 @@ def test_invalid_arguments_are_rejected_before_any_device_call(libs):
     assert lib.ss_ll_all_reduce(fake, fake, 10, 0, 0, fake, fake, 0, 1, 1000, 10**9, None) == invalid
     assert lib.ss_ll_gemm_all_reduce(fake, fake, None, fake, 17, 8, 8, 0, 0, fake, fake, 0, 1, 1024,
                                      10**9, None) == invalid
-    # tree attention: odd head dim, Hq not a multiple of Hk, too few keys per split
+    # tree attention: odd head dim, Hq not a multiple of Hk, too few keys per split (planned on
+    # the host); with a device-side KV length the split count is still bounded, keys per split unused
     args = [fake] * 13
-    assert lib.ss_tree_attention(*args, 2, 4, 2, 63, 32, 32, 8, 1.0, 1, 32, 0, None) == invalid
-    assert lib.ss_tree_attention(*args, 2, 3, 2, 64, 32, 32, 8, 1.0, 1, 32, 0, None) == invalid
-    assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 2, 8, 0, None) == invalid
+    assert lib.ss_tree_attention(*args, 2, 4, 2, 63, 32, 32, 8, 1.0, 1, 32, None, 0, None) == invalid
+    assert lib.ss_tree_attention(*args, 2, 3, 2, 64, 32, 32, 8, 1.0, 1, 32, None, 0, None) == invalid
+    assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 2, 8, None, 0, None) == invalid
+    assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 2, 0, None, 0, None) == invalid
+    assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 65, 0, fake, 0, None) == invalid
+    assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 0, 0, fake, 0, None) == invalid
+    assert lib.ss_tree_attention_split_cap(0, ctypes.byref(ctypes.c_int())) == invalid
     name, text = cuda.error_name(invalid, lib)
     assert name == "cudaErrorInvalidValue" and text
 
@@ -198,6 +203,8 @@ def test_calls_without_a_device_raise_clear_errors(libs):
     assert ei.value.name in no_device
     with pytest.raises(cuda.CudaKernelError):
         cuda.tree_attention_plan(100, 8)  # needs the SM count of a device
+    with pytest.raises(cuda.CudaKernelError):
+        cuda.tree_attention_split_cap(8)
 
 
 def test_wrappers_reject_cpu_tensors():

@@ -265,6 +265,65 @@ def test_tree_attention_graph_replay_equals_eager(cuda):
     assert torch.count_nonzero(cuda._workspaces[out_static.device].counters) == 0
 
 
+def _padded(mask, C):
+    """``mask [n, S]`` padded with False columns to ``[n, C]`` (a CUDA graph's static mask)."""
+    out = torch.zeros(mask.shape[0], C, dtype=torch.bool, device=mask.device)
+    out[:, : mask.shape[1]] = mask
+    return out
+
+
+@pytest.mark.parametrize("case", [
+    # n, Hq, Hk, D, C, S, P: the mask padded from S to C columns, kv_len = S
+    (1, 12, 2, 128, 4104, 300, 4200),   # the default target's heads, an engine-sized cache
+    (8, 12, 2, 128, 4104, 1030, 4200),  # a verification of 8 rows
+    (8, 14, 2, 64, 4200, 37, 4300),     # the draft's heads, a short context
+    (5, 4, 2, 128, 300, 0, 512),        # no keys in use
+])
+def test_tree_attention_device_kv_len_equals_unpadded(cuda, case):
+    """A launch over a mask padded to the capacity with the live length on the device gives
+    bit for bit what a launch over the unpadded mask gives (the same split plan), KV writes too."""
+    n, Hq, Hk, D, C, S, P = case
+    args = _attn_inputs(n, Hq, Hk, D, C, S, P, torch.bfloat16, seed=S + n)
+    plain = [a.clone() for a in args]
+    args[9] = _padded(args[9], C)
+    kv_len = torch.tensor([S], device="cuda")
+    out = cuda.tree_attention(*args, D ** -0.5, kv_len=kv_len)
+    ref = cuda.tree_attention(*plain, D ** -0.5)
+    assert torch.equal(out, ref)
+    assert torch.equal(args[3], plain[3]) and torch.equal(args[4], plain[4])
+    assert torch.count_nonzero(cuda._workspaces[out.device].counters) == 0
+
+
+def test_tree_attention_graph_replay_follows_device_kv_len(cuda):
+    """One graph captured over the whole capacity, replayed at several live lengths: each replay
+    equals the eager launch over the unpadded mask of that length (its own split plan)."""
+    n, Hq, Hk, D, C, P = 4, 12, 2, 128, 2048, 2100
+    dtype = torch.bfloat16
+    static = _attn_inputs(n, Hq, Hk, D, C, C, P, dtype, seed=5)
+    kv_len = torch.tensor([C], device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cuda.tree_attention(*[t.clone() for t in static], 0.09, kv_len=kv_len)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = cuda.tree_attention(*static, 0.09, kv_len=kv_len)
+    eager_caches = [static[3].clone(), static[4].clone()]
+    for it, S in enumerate([300, 17, 2048, 1, 1500, 0]):
+        fresh = _attn_inputs(n, Hq, Hk, D, C, S, P, dtype, seed=200 + it)
+        for i in (0, 1, 2, 5, 6):  # q, k_new, v_new, slots, positions
+            static[i].copy_(fresh[i])
+        static[9].copy_(_padded(fresh[9], C))
+        kv_len.fill_(S)
+        graph.replay()
+        eager = cuda.tree_attention(fresh[0], fresh[1], fresh[2], *eager_caches, *fresh[5:], 0.09)
+        torch.cuda.synchronize()
+        assert torch.equal(out_static, eager), f"replay at {S} keys differs from the eager call"
+        assert torch.equal(static[3], eager_caches[0]) and torch.equal(static[4], eager_caches[1])
+    assert torch.count_nonzero(cuda._workspaces[out_static.device].counters) == 0
+
+
 def test_tree_attention_argument_errors(cuda):
     args = _attn_inputs(2, 4, 2, 64, 40, 40, 64, torch.float32, seed=1)
     bad = list(args)
@@ -282,6 +341,11 @@ def test_tree_attention_argument_errors(cuda):
     bad[4] = bad[3].clone()
     with pytest.raises(ValueError, match="multiple"):
         cuda.tree_attention(*bad, 1.0)
+    for bad_len, match in ((torch.tensor([4], device="cuda", dtype=torch.int32), "kv_len"),
+                           (torch.tensor([4, 4], device="cuda"), "kv_len must be"),
+                           (torch.tensor([4]), "kv_len")):
+        with pytest.raises(ValueError, match=match):
+            cuda.tree_attention(*args, 1.0, kv_len=bad_len)
 
 
 # ---- LL communicator, one GPU -----------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_padded_step_equals_direct_forward(tiny_dir, kernels):
         model = load_model(str(tiny_dir), dtype=torch.float32)
         kv_direct, kv_padded = model.make_kv_cache(CAP), model.make_kv_cache(CAP)
         direct = _run(model, lambda *a: model(*a, kv_direct), kv_direct)
-        step = PaddedStep(lambda *a: model(*a, kv_padded), sizes=[4, 8], capacity=CAP)
+        step = PaddedStep(lambda i, p, s, m, n: model(i, p, s, m, kv_padded, n), sizes=[4, 8], capacity=CAP)
         padded = _run(model, step, kv_padded)
         assert step.bucket(3) == 4 and step.bucket(9) is None
         assert padded.shape == direct.shape
@@ -66,7 +66,7 @@ def test_cuda_graph_replay_equals_eager(tiny_dir):
         kv.buf = kv.buf.to(dev)
     to = (lambda f: (lambda *a: f(*(t.to(dev) for t in a))))
     eager = _run(model, to(lambda *a: model(*a, kv_eager)), kv_eager)
-    step = PaddedStep(lambda *a: model(*a, kv_graph), sizes=[4], capacity=CAP, device=dev)
+    step = PaddedStep(lambda i, p, s, m, n: model(i, p, s, m, kv_graph, n), sizes=[4], capacity=CAP, device=dev)
     graphed = _run(model, to(step), kv_graph)
     again = to(step)(*_tree_inputs())  # replay with the same inputs
     assert step.replays == 2

@@ -104,6 +104,10 @@ SS_API int ss_swiglu(const void* x, const void* w_gate_up, void* out, int M, int
 // [1, SS_ATTN_MAX_SPLITS] and to the number of key tiles).
 SS_API int ss_tree_attention_plan(int S, int Hq, int requested, int* num_splits,
                                   int* keys_per_split);
+// The auto plan's cap on the split count for Hq query heads on the current device (about two
+// blocks per SM over all heads, at most SS_ATTN_MAX_SPLITS): the grid of a launch whose KV length
+// is on the device.
+SS_API int ss_tree_attention_split_cap(int Hq, int* cap);
 // Workspace floats needed for a plan: Hq * num_splits * n * (D + 2); plus Hq int32 counters
 // that must be zero before the first launch (the kernel leaves them zero).
 SS_API int64_t ss_tree_attention_workspace_floats(int n, int Hq, int D, int num_splits);
@@ -112,12 +116,17 @@ SS_API int64_t ss_tree_attention_workspace_floats(int n, int Hq, int D, int num_
 // cos_table, sin_table [P, D] float32; mask [n, S] bool (1 byte); out [n, Hq * D]. q, k_new, v_new,
 // caches and out share `dtype`. Slots outside [0, C) are not written; positions are clamped to
 // [0, P). n <= SS_MAX_M, D even and <= SS_ATTN_MAX_HEAD_DIM, Hq % Hk == 0, S <= C.
+// kv_len NULL: the plan (num_splits, keys_per_split) is ss_tree_attention_plan's. kv_len a device
+// int64 [1] (a CUDA graph's live length, its mask padded to the capacity): keys at or past
+// *kv_len are not attended (the caller promises mask[:, *kv_len:] is all false), num_splits is
+// the grid's split count and the cap of the plan the kernel makes for *kv_len keys (the auto
+// rule of ss_tree_attention_plan; keys_per_split is unused).
 SS_API int ss_tree_attention(const void* q, const void* k_new, const void* v_new, void* k_cache,
                              void* v_cache, const int64_t* slots, const int64_t* positions,
                              const float* cos_table, const float* sin_table, const uint8_t* mask,
                              void* out, float* workspace, int* counters, int n, int Hq, int Hk,
                              int D, int C, int S, int P, float scale, int num_splits,
-                             int keys_per_split, int dtype, void* stream);
+                             int keys_per_split, const int64_t* kv_len, int dtype, void* stream);
 
 // ---- norm.cu ----------------------------------------------------------------------------------
 // Fused residual add + RMSNorm (reference.rms_norm): res_out = x + residual (rounded to dtype),

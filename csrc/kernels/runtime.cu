@@ -5,7 +5,7 @@
 #include "common.cuh"
 
 // Bump when a signature in api.h changes; swiftspec/ops/cuda.py refuses a library of another ABI.
-#define SS_ABI_VERSION 2
+#define SS_ABI_VERSION 3
 
 extern "C" SS_API int ss_abi_version(void) { return SS_ABI_VERSION; }
 

@@ -8,7 +8,12 @@
 // decode kernel, include/flashinfer/attention/decode.cuh).
 //
 // Grid (Hq, num_splits), kAttnThreads threads (4 warps) per block. Block (h, s) handles query head
-// h and the key range [s * keys_per_split, min(S, (s + 1) * keys_per_split)) for all n queries:
+// h and the key range [s * keys_per_split, min(S, (s + 1) * keys_per_split)) for all n queries.
+// With a device-side KV length (`kv_len`, a CUDA graph's live length: its mask is padded out to the
+// cache's capacity) the grid's split count is only a cap: every block re-plans for the L keys in
+// use with the host's rule (split_plan), so a replay over L keys splits them as an eager launch
+// over mask[:, :L] would (bit-identical), and blocks past that plan's splits leave at once:
+// the work and its balance follow the context length, not the capacity.
 //   1. the first query head of each KV group, split 0, writes the rotated k_new / v_new rows into
 //      the caches at `slots` (negative or >= C: not written);
 //   2. the warps are split into row groups (up to NR query rows each, rotated q in registers) and
@@ -35,8 +40,10 @@
 // shared-memory tile, one thread per row for the softmax) spent 66 us per call on the default
 // target's heads at 513 keys on an H200 (run 27): latency-bound serial steps. This layout: 13.9 us
 // at 1 query row and 41 us at 8 on an H100, and the target's graph-replayed forward 1.70x / 1.31x
-// faster at 1 / 8 rows than with the first version. Where the remaining time at 8 rows goes is not
-// yet profiled (ncu).
+// faster at 1 / 8 rows than with the first version. Run 35 (H200) bounded a CUDA graph's launch by
+// the device-side KV length (1.19x / 1.36x faster target forwards at 1 / 8 rows with the engine's
+// 4104-slot cache); ncu there shows the 8-row launch latency-bound (160 registers a thread and 42 KB
+// of static shared memory allow 3 blocks per SM; about 10 % achieved occupancy): the next step.
 #include <math.h>
 
 #include "api.h"
@@ -60,6 +67,24 @@ constexpr unsigned kFull = 0xFFFFFFFFu;
 // fewer key tiles per split than this cost more in merging than they save
 constexpr int kMinTilesPerSplit = 2;
 
+// The split plan for S keys: at most `cap` splits (clamped to [1, kMaxSplits] and to the key
+// tiles), with `by_len` also at most one per kMinTilesPerSplit key tiles; keys_per_split a
+// multiple of kKeyTile; no empty trailing split. The host plan (ss_tree_attention_plan) and the
+// device re-plan of a launch with a device-side KV length both use it.
+__host__ __device__ __forceinline__ void split_plan(int S, int cap, bool by_len, int* num_splits,
+                                                    int* keys_per_split) {
+  const int tiles = S > 0 ? (S + kKeyTile - 1) / kKeyTile : 1;
+  int splits = cap;
+  if (by_len) {
+    const int most = tiles / kMinTilesPerSplit;
+    splits = min(splits, most > 1 ? most : 1);
+  }
+  splits = max(1, min(splits, min(kMaxSplits, tiles)));
+  const int kps = ((tiles + splits - 1) / splits) * kKeyTile;
+  *keys_per_split = kps;
+  *num_splits = S > 0 ? (S + kps - 1) / kps : 1;
+}
+
 struct AttnParams {
   const void* q;
   const void* k_new;
@@ -71,6 +96,7 @@ struct AttnParams {
   const float* cos_table;
   const float* sin_table;
   const uint8_t* mask;
+  const int64_t* kv_len;  // nullable: keys in use (device-side); num_splits is then a cap
   void* out;
   float* workspace;
   int* counters;
@@ -177,11 +203,20 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
   T* k_cache = static_cast<T*>(p.k_cache);
   T* v_cache = static_cast<T*>(p.v_cache);
   const int tid = threadIdx.x;
-  const int n = p.n, D = p.D, S = p.S, C = p.C;
+  const int n = p.n, D = p.D, S = p.S, C = p.C;  // S: the mask's row stride
   const int hq = blockIdx.x;
   const int split = blockIdx.y;
   const int group = p.Hq / p.Hk;
   const int hk = hq / group;
+  // keys attended [0, S_keys) and this launch's plan: the host's, or re-planned for the
+  // device-side KV length (uniform over the block: every thread reads the same value)
+  int S_keys = S, splits = p.num_splits, keys_per_split = p.keys_per_split;
+  if (p.kv_len != nullptr) {
+    const int64_t live = __ldg(p.kv_len);
+    S_keys = live < 0 ? 0 : (live > S ? S : static_cast<int>(live));
+    split_plan(S_keys, p.num_splits, true, &splits, &keys_per_split);
+    if (split >= splits) return;  // not in this length's plan (no KV rows, no counter ticket)
+  }
 
   if (tid < n) {
     const int64_t s = p.slots[tid];
@@ -196,10 +231,10 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
   //    duplicate slots the last row wins (what the reference's index_put does in practice);
   //    readers use the same rule below.
   if (hq % group == 0) {
-    const int mine_rows = split < n ? (n - 1 - split) / p.num_splits + 1 : 0;
+    const int mine_rows = split < n ? (n - 1 - split) / splits + 1 : 0;
 #pragma unroll 4
     for (int e = tid; e < mine_rows * D; e += kAttnThreads) {
-      const int i = split + (e / D) * p.num_splits, d = e % D;
+      const int i = split + (e / D) * splits, d = e % D;
       const int slot = slot_s[i];
       bool last = slot >= 0;
       for (int i2 = i + 1; i2 < n && last; ++i2) last = slot_s[i2] != slot;
@@ -253,8 +288,8 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
     for (int u = 0; u < kVec; ++u) acc[r][u] = 0.f;
   }
 
-  const int s0 = split * p.keys_per_split;
-  const int s1 = min(S, s0 + p.keys_per_split);
+  const int s0 = split * keys_per_split;
+  const int s1 = min(S_keys, s0 + keys_per_split);
   const int64_t head_base = static_cast<int64_t>(hk) * C * D;
   const int sub = min(kChunk, kStageBytes / (D * static_cast<int>(sizeof(T))));  // keys per sub-chunk
   for (int c0 = s0; c0 < s1; c0 += kChunk) {
@@ -364,7 +399,6 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
   __syncthreads();
 
   T* out = static_cast<T*>(p.out);
-  const int splits = p.num_splits;
   // split partials (splits > 1): workspace = acc [Hq][splits][n][D], then m and l [Hq][splits][n]
   const int64_t parts = static_cast<int64_t>(p.Hq) * splits * n;
   float* ws_acc = p.workspace;
@@ -452,28 +486,26 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_kernel(AttnParams
 
 using namespace swiftspec::cuda;
 
+extern "C" SS_API int ss_tree_attention_split_cap(int Hq, int* cap) {
+  if (Hq < 1 || cap == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  int sms = 0;
+  const cudaError_t err = current_sm_count(&sms);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  *cap = max(1, min((2 * sms + Hq - 1) / Hq, SS_ATTN_MAX_SPLITS));
+  return 0;
+}
+
 extern "C" SS_API int ss_tree_attention_plan(int S, int Hq, int requested, int* num_splits,
                                              int* keys_per_split) {
   if (S < 0 || Hq < 1 || num_splits == nullptr || keys_per_split == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
-  const int tiles = S > 0 ? (S + kKeyTile - 1) / kKeyTile : 1;
-  int splits;
-  if (requested > 0) {
-    splits = requested;
-  } else {
-    int sms = 0;
-    const cudaError_t err = current_sm_count(&sms);
-    if (err != cudaSuccess) return static_cast<int>(err);
+  int cap = requested;
+  if (requested <= 0) {
     // about two blocks per SM over all heads, but keep >= kMinTilesPerSplit key tiles per split
-    splits = (2 * sms + Hq - 1) / Hq;
-    const int by_len = tiles / kMinTilesPerSplit;
-    splits = min(splits, by_len > 1 ? by_len : 1);
+    const int err = ss_tree_attention_split_cap(Hq, &cap);
+    if (err != 0) return err;
   }
-  splits = max(1, min(splits, min(SS_ATTN_MAX_SPLITS, tiles)));
-  const int tiles_per_split = (tiles + splits - 1) / splits;
-  const int kps = tiles_per_split * kKeyTile;
-  *keys_per_split = kps;
-  *num_splits = S > 0 ? (S + kps - 1) / kps : 1;  // no empty trailing split
+  split_plan(S, cap, requested <= 0, num_splits, keys_per_split);
   return 0;
 }
 
@@ -489,11 +521,15 @@ extern "C" SS_API int ss_tree_attention(const void* q, const void* k_new, const 
                                         const float* sin_table, const uint8_t* mask, void* out,
                                         float* workspace, int* counters, int n, int Hq, int Hk,
                                         int D, int C, int S, int P, float scale, int num_splits,
-                                        int keys_per_split, int dtype, void* stream) {
+                                        int keys_per_split, const int64_t* kv_len, int dtype,
+                                        void* stream) {
+  // with kv_len the plan is made on the device (keys_per_split unused, num_splits the cap)
+  const bool planned = kv_len == nullptr;
   if (n < 0 || n > kMaxN || Hq < 1 || Hk < 1 || Hq % Hk != 0 || D < 2 || D % 2 != 0 ||
       D > kMaxD || C < 0 || S < 0 || S > C || P < 1 || num_splits < 1 ||
-      num_splits > SS_ATTN_MAX_SPLITS || keys_per_split < kKeyTile ||
-      keys_per_split % kKeyTile != 0 || static_cast<int64_t>(num_splits) * keys_per_split < S ||
+      num_splits > SS_ATTN_MAX_SPLITS ||
+      (planned && (keys_per_split < kKeyTile || keys_per_split % kKeyTile != 0 ||
+                   static_cast<int64_t>(num_splits) * keys_per_split < S)) ||
       dtype_size(dtype) == 0)
     return static_cast<int>(cudaErrorInvalidValue);
   if (n == 0) return 0;
@@ -507,7 +543,7 @@ extern "C" SS_API int ss_tree_attention(const void* q, const void* k_new, const 
   const int nr = n == 1 ? 1 : kMaxRowsPerWarp;
   const int row_groups = (n + nr - 1) / nr;  // <= kWarps
   AttnParams prm{q,    k_new, v_new,     k_cache,  v_cache, slots, positions,
-                 cos_table, sin_table, mask, out, workspace, counters, n, Hq, Hk, D, C, S, P,
+                 cos_table, sin_table, mask, kv_len, out, workspace, counters, n, Hq, Hk, D, C, S, P,
                  scale, num_splits, keys_per_split, G, row_groups, kWarps / row_groups};
   // 16-byte loads of a key's kVec elements: whole vectors (D % 8 == 0) at aligned addresses
   const bool vec = D % kVec == 0 && reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&

@@ -60,7 +60,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, positions, rope, slots, mask, kv):
+    def forward(self, x, positions, rope, slots, mask, kv, kv_len=None):
         n = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         o = ops.tree_attention(q, k, v, kv.k, kv.v, slots, positions, rope.cos, rope.sin, mask, self.scale, kv.pos,
-                               kv.workspace)
+                               kv.workspace, kv_len)
         return self.o_proj(o)
 
 
@@ -117,11 +117,12 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self._native_layer = None
 
-    def forward(self, x, residual, positions, rope, slots, mask, kv):
+    def forward(self, x, residual, positions, rope, slots, mask, kv, kv_len=None):
         """``x [n, hidden]`` (and the residual stream, None before the first layer) -> ``(out, x +
-        residual)``; keys/values land in ``slots`` of ``kv = (k, v, slot positions or None)``."""
+        residual)``; keys/values land in ``slots`` of ``kv = (k, v, slot positions or None)``;
+        ``kv_len``: see :meth:`LlamaForCausalLM.forward`."""
         if not (self.all_native and ops.native_layer_twin(x)):
-            return self.forward_modules(x, residual, positions, rope, slots, mask, kv)
+            return self.forward_modules(x, residual, positions, rope, slots, mask, kv, kv_len)
         layer = self.native_layer()
         args = (kv[0], kv[1], slots, positions, rope.cos, rope.sin, mask, kv[2])
         if self.tp.size == 1:
@@ -142,10 +143,10 @@ class DecoderLayer(nn.Module):
                 mlp.down_proj.native, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
         return self._native_layer
 
-    def forward_modules(self, x, residual, positions, rope, slots, mask, kv):
+    def forward_modules(self, x, residual, positions, rope, slots, mask, kv, kv_len=None):
         """The same layer module by module (the reference of the C++ layer, and every other case)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, slots, mask, kv)
+        h = self.self_attn(h, positions, rope, slots, mask, kv, kv_len)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -228,17 +229,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor, kv: KVCache) -> torch.Tensor:
+                mask: torch.Tensor, kv: KVCache, kv_len: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``n`` tokens through the whole model; their keys/values land in ``slots`` of ``kv``.
 
         Shapes: input_ids, positions, slots ``[n]`` int64; mask ``[n, S]`` bool (query i may see
-        slot j). Returns hidden states ``[n, hidden]`` in the model dtype.
+        slot j). Returns hidden states ``[n, hidden]`` in the model dtype. ``kv_len``: ``[1]``
+        int64 on the model's device, the slots in use when ``mask`` is padded wider (a CUDA
+        graph's step, :class:`swiftspec.graphs.PaddedStep`): ``mask[:, kv_len:]`` must be all
+        False; on CUDA attention then reads and splits only those slots.
         """
-        return self.forward_stage(input_ids, None, positions, slots, mask, kv)[0]
+        return self.forward_stage(input_ids, None, positions, slots, mask, kv, kv_len)[0]
 
     @torch.inference_mode()
     def forward_stage(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                      slots: torch.Tensor, mask: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      slots: torch.Tensor, mask: torch.Tensor, kv: KVCache,
+                      kv_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run this model's stage: ``x`` is token ids ``[n]`` int64 on the first stage, else the
         previous stage's output ``[n, hidden]`` with its residual stream ``[n, hidden]`` (model
         dtype; passing both keeps the split bit-identical to the whole model). Returns ``(x,
@@ -247,7 +252,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.embed_tokens(x), None
         kv.note_positions(slots, positions)
         for i in self.stage:
-            x, residual = self.layers[i](x, residual, positions, self.rope, slots, mask, kv.layer(i - self.stage.start))
+            x, residual = self.layers[i](x, residual, positions, self.rope, slots, mask, kv.layer(i - self.stage.start),
+                                         kv_len)
         if self.last:
             return self.norm(x, residual)[0], None
         return x, residual

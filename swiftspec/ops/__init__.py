@@ -301,7 +301,8 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
 
 
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
-                   scale: float, slot_positions: torch.Tensor | None = None, workspace=None) -> torch.Tensor:
+                   scale: float, slot_positions: torch.Tensor | None = None, workspace=None,
+                   kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix and tree cache; see
     :func:`reference.tree_attention` for shapes, dtypes and semantics (negative slots are not
     written; fully masked rows give zeros). ``slot_positions`` (``[>= S]`` int64, the KV cache's
@@ -309,14 +310,17 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_tabl
     positions where cache slots hold keys of other positions (the pipeline modes); the PyTorch
     path attends row by row in slot order, which is position order along every tree path.
     ``workspace``: the CUDA kernel's :class:`swiftspec.ops.cuda.TreeAttentionWorkspace` (the KV
-    cache's, see :class:`swiftspec.models.kv_cache.KVCache`); None: one shared per device."""
+    cache's, see :class:`swiftspec.models.kv_cache.KVCache`); None: one shared per device.
+    ``kv_len``: ``[1]`` int64 on q's device, the slots in use (a CUDA graph's live length, its
+    mask padded to the capacity); the caller promises ``mask[:, kv_len:]`` is all False, so it
+    changes no result: the CUDA kernel attends and splits only those slots, the others ignore it."""
     b = backend(q)
     args = (q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_cache, v_cache, slots, positions,
             cos_table, sin_table, mask.contiguous(), float(scale))
     if b == "cpu" and _cpu_twin("tree_attention"):
         return _cpu_module().tree_attention(*args, slot_positions)
     if b == "cuda":
-        return _cuda_module().tree_attention(*args, workspace=workspace)
+        return _cuda_module().tree_attention(*args, workspace=workspace, kv_len=kv_len)
     return _torch_tree_attention(*args)
 
 

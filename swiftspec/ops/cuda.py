@@ -39,7 +39,7 @@ KERNELS = CSRC / "kernels"
 INCLUDE = CSRC / "include"
 LIB_NAME = "libswiftspec_cuda.so"
 BASE_ARCH = "sm_90a"
-ABI_VERSION = 2  # must match SS_ABI_VERSION in csrc/kernels/runtime.cu
+ABI_VERSION = 3  # must match SS_ABI_VERSION in csrc/kernels/runtime.cu
 
 # constants of csrc/kernels/api.h
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -310,9 +310,10 @@ EXPORTS: dict[str, tuple] = {
     "ss_swiglu": (_i, [_p, _p, _p, _i, _i, _i, _i, _p]),
     "ss_rms_norm": (_i, [_p, _p, _p, _p, _p, _i, _i, _f, _i, _p]),
     "ss_tree_attention_plan": (_i, [_i, _i, _i, ctypes.POINTER(_i), ctypes.POINTER(_i)]),
+    "ss_tree_attention_split_cap": (_i, [_i, ctypes.POINTER(_i)]),
     "ss_tree_attention_workspace_floats": (_i64, [_i, _i, _i, _i]),
     "ss_tree_attention": (_i, [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i,
-                               _i, _i, _i, _f, _i, _i, _i, _p]),
+                               _i, _i, _i, _f, _i, _i, _p, _i, _p]),
 }
 
 
@@ -564,11 +565,21 @@ def tree_attention_plan(S: int, Hq: int, num_splits: int | None = None) -> tuple
     return ns.value, kps.value
 
 
+def tree_attention_split_cap(Hq: int) -> int:
+    """The auto plan's cap on the KV splits for ``Hq`` query heads on the current device: the
+    grid of a launch whose KV length is on the device (``tree_attention(kv_len=...)``)."""
+    lib = load()
+    cap = ctypes.c_int(0)
+    check(lib.ss_tree_attention_split_cap(Hq, ctypes.byref(cap)), "ss_tree_attention_split_cap", lib)
+    return cap.value
+
+
 def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                    mask: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                   workspace: TreeAttentionWorkspace | None = None) -> torch.Tensor:
+                   workspace: TreeAttentionWorkspace | None = None,
+                   kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE + KV write + masked attention over prefix + tree cache in one launch
     (see reference.tree_attention for the exact semantics).
 
@@ -584,6 +595,12 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         num_splits: force the number of KV splits (default: from the device's SM count).
         workspace: split partials / counters (default: one shared workspace per device; see
             :class:`TreeAttentionWorkspace` for the one-stream-at-a-time rule).
+        kv_len: ``[1]`` int64 on q's device, the number of cache slots in use, read by the
+            kernel when it runs (a CUDA graph's live length: its mask is padded to the
+            capacity). The caller promises ``mask[:, kv_len:]`` is all False; the kernel then
+            attends only ``[0, min(S, kv_len))`` and splits those keys as a launch over
+            ``mask[:, :kv_len]`` would (the same result, bit for bit), so a replay's work follows
+            the context, not the capacity. ``num_splits`` then caps the split count.
 
     Raises:
         TypeError / ValueError: bad device, dtype, shape or layout.
@@ -601,6 +618,10 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
         _check_tensor(name, t, device=dev, dtypes=(torch.float32,), ndim=2)
     _check_tensor("mask", mask, device=dev, dtypes=(torch.bool,), ndim=2)
+    if kv_len is not None:
+        _check_tensor("kv_len", kv_len, device=dev, dtypes=(torch.int64,), ndim=1)
+        if kv_len.shape != (1,):
+            raise ValueError(f"kv_len must be [1], got {tuple(kv_len.shape)}")
     n, Hq, D = q.shape
     Hk = k_new.shape[1]
     Hkc, C, Dc = k_cache.shape
@@ -632,7 +653,10 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         return out
     lib = load()
     with torch.cuda.device(dev):
-        splits, kps = tree_attention_plan(S, Hq, num_splits)
+        if kv_len is None:
+            splits, kps = tree_attention_plan(S, Hq, num_splits)
+        else:  # the grid holds the most splits any length gets; the kernel plans for kv_len
+            splits, kps = min(num_splits or tree_attention_split_cap(Hq), ATTN_MAX_SPLITS), 0
         if workspace is None:
             workspace = _workspaces.get(dev)
             if workspace is None:
@@ -647,7 +671,7 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             v_cache.data_ptr(), slots.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
             sin_table.data_ptr(), mask.data_ptr(), out.data_ptr(), workspace.partials.data_ptr(),
             workspace.counters.data_ptr(), n, Hq, Hk, D, C, S, P, float(scale), splits, kps,
-            DTYPE_CODES[q.dtype], _stream(dev))
+            None if kv_len is None else kv_len.data_ptr(), DTYPE_CODES[q.dtype], _stream(dev))
     check(st, "ss_tree_attention", lib)
     return out
 
