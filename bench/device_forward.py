@@ -6,7 +6,10 @@ random (a forward's time does not depend on their values), nothing is read from 
 the cache. For each model and row count (1 row: an autoregressive step; ``bs`` rows: a
 verification; ``w`` rows: a draft expansion) it times one forward plus the LM head of every row
 over a KV cache already holding ``--context`` tokens: eagerly, and on CUDA also as a CUDA-graph
-replay (:class:`swiftspec.graphs.PaddedStep`, the LM head outside the graph). Each time is set
+replay (:class:`swiftspec.graphs.PaddedStep`, the LM head outside the graph; its mask padded to the
+cache's ``--capacity`` slots, as the engine's, and the slots in use passed on the device; with a
+capacity beyond the context also a replay without that bound, ``graph_unbounded_s``, the attention
+then split over the whole capacity). Each time is set
 against the weight bytes one forward reads over the device's read bandwidth: on CUDA a
 device-to-device copy's bytes read plus written, halved, over its time (the "HBM limit"); on CPU
 the best of 5 ``torch.sum`` passes over 1 GiB with the forward's thread count (as
@@ -80,22 +83,27 @@ def _step_inputs(model, device: torch.device, n: int, context: int, capacity: in
 
 
 def time_model(model, device: torch.device, rows: list[int], context: int, rounds: int, graphs: bool,
-               vocab: int | None) -> list[dict]:
-    """Eager (and graph-replay) seconds of a forward plus the LM head at each row count."""
+               vocab: int | None, capacity: int | None = None) -> list[dict]:
+    """Eager (and graph-replay) seconds of a forward plus the LM head at each row count, the KV
+    cache ``capacity`` slots (default: the context plus the most rows)."""
     from swiftspec.graphs import PaddedStep
 
-    capacity = context + max(rows)
+    capacity = max(capacity or 0, context + max(rows))
     with torch.no_grad():
         kv = _prefilled_cache(model, device, context, capacity)
-        step = PaddedStep(lambda i, p, s, m: model(i, p, s, m, kv), rows, capacity, device, use_graphs=graphs)
+        step = PaddedStep(lambda i, p, s, m, k: model(i, p, s, m, kv, k), rows, capacity, device, use_graphs=graphs)
+        unbounded = None
+        if graphs and capacity > context + max(rows):
+            unbounded = PaddedStep(lambda i, p, s, m, k: model(i, p, s, m, kv), rows, capacity, device)
         out = []
         for n in rows:
-            ids, pos, slots, mask = _step_inputs(model, device, n, context, capacity)
+            # the step's own inputs are as wide as the slots in use; the steps pad them
+            ids, pos, slots, mask = _step_inputs(model, device, n, context, context + n)
             eager = _timed(lambda: model.compute_logits(model(ids, pos, slots, mask, kv), vocab), device, rounds)
-            rec = {"rows": n, "eager_s": eager}
-            if graphs:
-                rec["graph_s"] = _timed(lambda: model.compute_logits(step(ids, pos, slots, mask), vocab), device,
-                                        rounds)
+            rec = {"rows": n, "eager_s": eager, "capacity": capacity}
+            for name, fn in (("graph_s", step if graphs else None), ("graph_unbounded_s", unbounded)):
+                if fn is not None:
+                    rec[name] = _timed(lambda: model.compute_logits(fn(ids, pos, slots, mask), vocab), device, rounds)
             out.append(rec)
     return out
 
@@ -127,6 +135,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="KV-cache slots (the engine's: max_model_len + bs, 4104 by default); "
+                         "default the context plus the most rows")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     ap.add_argument("--no-graphs", action="store_true", help="eager only (CPU is always eager)")
@@ -149,14 +160,16 @@ def main(argv=None) -> dict:
     results, profiles = [], []
     for i, config in enumerate(args.models):
         vocab = args.logits_vocab[i] if args.logits_vocab and i < len(args.logits_vocab) else None
-        model = random_model(config, dtype, device, args.context + max(args.rows) + 64)
+        model = random_model(config, dtype, device, max(args.capacity or 0, args.context + max(args.rows)) + 64)
         nbytes = weight_read_bytes(model, vocab)
         limit = nbytes / bw
-        for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab):
+        for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab, args.capacity):
             best = min(rec["eager_s"], rec.get("graph_s", float("inf")))
             rec.update(model=config.stem, weight_bytes=nbytes, limit_s=limit, of_limit=limit / best)
             results.append(rec)
             graph = f"{rec['graph_s'] * 1e3:8.3f} ms graph" if "graph_s" in rec else ""
+            if "graph_unbounded_s" in rec:
+                graph += f" ({rec['graph_unbounded_s'] * 1e3:.3f} ms unbounded)"
             print(f"{config.stem:32s} rows={rec['rows']:2d} {rec['eager_s'] * 1e3:8.3f} ms eager {graph}  "
                   f"limit {limit * 1e3:.3f} ms: {rec['of_limit']:.0%} of it", flush=True)
         if device.type == "cuda":

@@ -6,6 +6,9 @@ Every record kind the benchmarks write is recognised by its shape:
   compression ratios (``swiftspec.benchmark.e2e.markdown``);
 * ``bench/kernels.py --json``: the kernel table (``swiftspec.benchmark.kernels.summary_table``);
 * ``bench/native_forward.py --out``: forward time against the machine's read bandwidth;
+* ``bench/device_forward.py --out``: forward time (eager, CUDA-graph replay) against the HBM limit;
+* an end-to-end table kept as ``swiftspec bench`` printed it (``"table"``: its rows), where the
+  run's own JSON was not written;
 * ``bench/accuracy.py --out``: top-1 agreement and mean KL against llama.cpp;
 * ``swiftspec generate --json`` (the README command): one line;
 * ``bench/server_load.py soak|overhead --out``: the soak's counts, memory and restart, or the
@@ -30,18 +33,27 @@ def render(record) -> str:
         where = (f"{m.get('gpu', 'a GPU')} (host: {m['cpu']}, {m['cores']} cores)" if on_gpu else
                  f"{m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), {m['cores']} cores, kernels {m['isa']}")
         return f"`{record['command']}` on {where}\n\n" + render(record["records"])
+    if isinstance(record, dict) and "table" in record:  # a swiftspec bench table kept as printed (e2e.md)
+        cols = list(record["table"][0])
+        return "\n".join([f"`{record['command']}`: {record['title']}; {record['code']}. Source: {record['source']}", "",
+                          "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                         + ["| " + " | ".join(r[c] for c in cols) + " |" for r in record["table"]])
     if isinstance(record, list) and record and "system" in record[0]:
         return e2e.markdown(record)
     if isinstance(record, dict) and "cases" in record:
         return kernels.summary_table(record["cases"])
     if isinstance(record, dict) and record.get("rows") and "limit_s" in record["rows"][0]:  # bench/device_forward.py
+        # records from run 35 on: the cache's capacity per row, and the replay without the device-side KV length
+        capacity = {r["capacity"] for r in record["rows"] if "capacity" in r}
         lines = [f"{record.get('device_name') or record['device']}, {record['dtype']}, {record['context']} tokens in the "
-                 f"KV cache, read bandwidth {record['bandwidth_gb_s']:.1f} GB/s",
-                 "", "| model | rows | eager ms | graph ms | limit ms | of limit |", "|---|---|---|---|---|---|"]
+                 f"KV cache" + (f" of {', '.join(map(str, sorted(capacity)))} slots" if capacity else "")
+                 + f", read bandwidth {record['bandwidth_gb_s']:.1f} GB/s",
+                 "", "| model | rows | eager ms | graph ms | graph ms, attention over the whole capacity | limit ms | "
+                 "of limit |", "|---|---|---|---|---|---|---|"]
         for r in record["rows"]:
-            graph = f"{1e3 * r['graph_s']:.3f}" if "graph_s" in r else "-"
-            lines.append(f"| {r['model']} | {r['rows']} | {1e3 * r['eager_s']:.3f} | {graph} | {1e3 * r['limit_s']:.3f} | "
-                         f"{100 * r['of_limit']:.0f} % |")
+            graph, unbounded = (f"{1e3 * r[k]:.3f}" if k in r else "-" for k in ("graph_s", "graph_unbounded_s"))
+            lines.append(f"| {r['model']} | {r['rows']} | {1e3 * r['eager_s']:.3f} | {graph} | {unbounded} | "
+                         f"{1e3 * r['limit_s']:.3f} | {100 * r['of_limit']:.0f} % |")
         for prof in record.get("profiles", []):
             lines += ["", f"{prof['model']}, {prof['rows']} rows: device time per forward by kernel", "",
                       "| kernel | us per forward | calls |", "|---|---|---|"]
