@@ -555,6 +555,30 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"with the draft on 32 SMs {tot['swiftspec-profiled']:.2f} ({tot['swiftspec-profiled'] / ar:.2f}x)") in text
     assert {r["engine"]["draft_sms"] for r in records("gpu-h100-run32-e2e.json")
             if r["system"] == "swiftspec-profiled"} == {32}
+    # run 35 (an H200): the forward with the slots in use on the device (and over the whole
+    # capacity beside it), end to end, and the alternating before / after calls
+    fwd35 = {(r["model"].split("-")[2], r["rows"]): r for r in records("gpu-h200-run35-device-forward.json", "rows")}
+    t1, t8, d1, d8 = (fwd35[k] for k in (("1.5b", 1), ("1.5b", 8), ("0.5b", 1), ("0.5b", 8)))
+    gain = {k: r["graph_unbounded_s"] / r["graph_s"] for k, r in (("t1", t1), ("t8", t8), ("d1", d1), ("d8", d8))}
+    assert all(r["capacity"] == 4104 for r in fwd35.values())
+    assert (f"takes {1e3 * t1['graph_s']:.2f} ms at 1 row ({100 * t1['of_limit']:.0f} % of the HBM limit, "
+            f"{1e3 * t1['limit_s']:.2f} ms), {gain['t1']:.2f}x faster than over the whole capacity, and "
+            f"{1e3 * t8['graph_s']:.2f} ms at 8 rows ({gain['t8']:.2f}x); the draft's {gain['d1']:.2f}x / "
+            f"{gain['d8']:.2f}x") in text
+    tot35, tot35b = (overall(records(f"gpu-h200-run35-{n}.json")) for n in ("e2e", "e2e-colocated-hf-compile"))
+    ar35, ar35b = tot35["autoregressive"], tot35b["autoregressive"]
+    assert (f"decodes {ar35:.2f} tokens/s, {100 * t1['limit_s'] * ar35:.0f} % of the HBM limit per token (a second call "
+            f"on the same machine: {ar35b:.2f}, {100 * t1['limit_s'] * ar35b:.0f} %), {ar35b / tot35b['hf-compile']:.2f}x "
+            f"`hf-compile` ({tot35b['hf-compile']:.2f}, its first prompt paying for compilation); `serial` "
+            f"{tot35['swiftspec-serial'] / ar35:.2f}x ours, `colocated` {tot35b['swiftspec-colocated'] / ar35b:.2f}x") in text
+    ab = {}
+    for i, tree in ((1, "old"), (2, "new"), (3, "old"), (4, "new")):
+        rec = json.loads((root / "bench" / "results" / f"gpu-h200-run35-e2e-ab-{i}-{tree}.json").read_text())
+        ab[i] = {r["system"]: r["all"] for r in rec["table"]}
+        if "records" in rec:  # the first call's own JSON: its table is what its records give
+            assert {k: f"{v:.2f}" for k, v in overall(rec["records"]).items()} == ab[i]
+    for system, label in (("autoregressive", "`autoregressive`"), ("swiftspec-serial", "`serial`")):
+        assert (f"{label} {ab[1][system]} -> {ab[2][system]} and {ab[3][system]} -> {ab[4][system]}") in text, system
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
 
