@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
     from swiftspec.benchmark.e2e import machine_record
 
     record = {"command": "python bench/device_forward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              **machine_record(), "device": str(device),
+              **machine_record(cpu_kernels=device.type != "cuda"), "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "dtype": args.dtype, "context": args.context, "threads": threads, "bandwidth_gb_s": bw / 1e9,
               "rows": results, "profiles": profiles}

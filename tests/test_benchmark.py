@@ -124,6 +124,17 @@ def test_tables_and_chart(tmp_path):
     m = machine_record()
     assert m["cpu"] and m["cores"] >= 1 and set(m["isa"]) >= {"quant_gemm", "tree_attention"}
     assert ("avx2" in m["cpu_flags"]) == ("avx2" in Path("/proc/cpuinfo").read_text())
+    # for numbers measured on a GPU the CPU kernels are not asked for (that would build them)
+    from swiftspec import ops
+
+    def no_build():
+        raise AssertionError("cpu_dispatch called")
+
+    saved_dispatch, ops.cpu_dispatch = ops.cpu_dispatch, no_build
+    try:
+        assert machine_record(cpu_kernels=False)["isa"] is None
+    finally:
+        ops.cpu_dispatch = saved_dispatch
     # the llama.cpp build is named where a peer loaded one (here: a stand-in module)
     import sys
     from types import SimpleNamespace

@@ -543,10 +543,11 @@ def pipeline_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine_record() -> dict:
+def machine_record(cpu_kernels: bool = True) -> dict:
     """What the numbers depend on besides the code: the CPU's model, family and flags (from
     ``/proc/cpuinfo``), the cores this process may use, the kernel each CPU op family dispatches
-    to (:func:`swiftspec.ops.cpu_dispatch`), the torch version and the ``SWIFTSPEC_*`` variables
+    to (:func:`swiftspec.ops.cpu_dispatch`; with ``cpu_kernels`` False, for numbers measured on a
+    GPU, ``isa`` is None: asking would build the CPU kernels, a minute on a fresh machine), the torch version and the ``SWIFTSPEC_*`` variables
     of the environment (switches such as ``SWIFTSPEC_QUANT_X16``, ``SWIFTSPEC_CPU_ARCH``) with
     ``ATEN_CPU_CAPABILITY`` (torch's own kernels' ISA), the GPU's name where torch sees one
     (``gpu``), and the llama.cpp build where a peer ran."""
@@ -565,7 +566,8 @@ def machine_record() -> dict:
         pass
     return {"cpu": cpu_model_name(), "vendor": info.get("vendor_id"), "cpu_family": info.get("cpu family"),
             "cpu_model": info.get("model"), "cpu_flags": info.get("flags", "").split(),
-            "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch(), "torch": torch.__version__,
+            "cores": len(os.sched_getaffinity(0)), "isa": ops.cpu_dispatch() if cpu_kernels else None,
+            "torch": torch.__version__,
             **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
             "env": {k: v for k, v in sorted(os.environ.items())
                     if k.startswith("SWIFTSPEC_") or k == "ATEN_CPU_CAPABILITY"}, **_llama_cpp_build()}
@@ -599,8 +601,9 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     (out / "e2e.md").write_text(f"{title}\n\n{table}\n")
     # the records with the command and the machine they ran on (bench/tables.py renders either form)
     command = "swiftspec bench " + " ".join(sys.argv[2:] if argv is None else argv)
-    (out / "e2e.json").write_text(json.dumps({"command": command, "machine": machine_record(), "records": records},
-                                             indent=1))
+    on_gpu = any(r.get("device") == "cuda" for r in records)
+    (out / "e2e.json").write_text(json.dumps({"command": command, "machine": machine_record(cpu_kernels=not on_gpu),
+                                              "records": records}, indent=1))
     try:
         bar_chart(records, out / "e2e.png", title)
         print(f"\nchart: {out / 'e2e.png'}")
