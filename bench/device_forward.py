@@ -83,12 +83,11 @@ def _step_inputs(model, device: torch.device, n: int, context: int, capacity: in
 
 
 def time_model(model, device: torch.device, rows: list[int], context: int, rounds: int, graphs: bool,
-               vocab: int | None, capacity: int | None = None) -> list[dict]:
+               vocab: int | None, capacity: int) -> list[dict]:
     """Eager (and graph-replay) seconds of a forward plus the LM head at each row count, the KV
-    cache ``capacity`` slots (default: the context plus the most rows)."""
+    cache ``capacity`` slots (at least the context plus the most rows)."""
     from swiftspec.graphs import PaddedStep
 
-    capacity = max(capacity or 0, context + max(rows))
     with torch.no_grad():
         kv = _prefilled_cache(model, device, context, capacity)
         step = PaddedStep(lambda i, p, s, m, k: model(i, p, s, m, kv, k), rows, capacity, device, use_graphs=graphs)
@@ -154,16 +153,17 @@ def main(argv=None) -> dict:
     torch.set_num_threads(threads)
     graphs = device.type == "cuda" and not args.no_graphs
     dtype = getattr(torch, args.dtype)
+    capacity = max(args.capacity or 0, args.context + max(args.rows))
     bw = read_bandwidth(device, threads)
     print(f"{device}: read bandwidth {bw / 1e9:.1f} GB/s ({'d2d copy' if device.type == 'cuda' else 'torch.sum'})",
           flush=True)
     results, profiles = [], []
     for i, config in enumerate(args.models):
         vocab = args.logits_vocab[i] if args.logits_vocab and i < len(args.logits_vocab) else None
-        model = random_model(config, dtype, device, max(args.capacity or 0, args.context + max(args.rows)) + 64)
+        model = random_model(config, dtype, device, capacity + 64)
         nbytes = weight_read_bytes(model, vocab)
         limit = nbytes / bw
-        for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab, args.capacity):
+        for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab, capacity):
             best = min(rec["eager_s"], rec.get("graph_s", float("inf")))
             rec.update(model=config.stem, weight_bytes=nbytes, limit_s=limit, of_limit=limit / best)
             results.append(rec)
