@@ -51,12 +51,14 @@ class KVCache:
             from swiftspec.ops.cuda import TreeAttentionWorkspace
 
             self.workspace = TreeAttentionWorkspace(self.buf.device)
+        # every layer's views, made once: indexing the buffer anew took ~10 us a layer, per forward
+        self._layers = [LayerKV(self.buf[i, 0], self.buf[i, 1], self.pos, self.workspace) for i in range(num_layers)]
 
     def layer(self, i: int) -> LayerKV:
         """Views ``(k, v)`` of layer ``i``, each ``[kv_heads, capacity, head_dim]``, the slots'
         positions ``[capacity]`` int64 (shared by all layers), None unless they are tracked, and
         the cache's attention workspace (all layers share it: they run one after another)."""
-        return LayerKV(self.buf[i, 0], self.buf[i, 1], self.pos, self.workspace)
+        return self._layers[i]
 
     def note_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Record that ``slots`` (``[n]`` int64, negative = not written) now hold tokens at
