@@ -150,12 +150,11 @@ static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
 // 2-row Q5_0 block's ~155 instructions (GCC 12 left it in the loop, under the branch).
 struct PrefetchAhead {
   const uint8_t* grp;
-  int64_t gb, ahead;
-  bool on;
+  int64_t gb, ahead;  // ahead: blocks ahead, 0 = no prefetch
   PrefetchAhead(const uint8_t* g, int64_t bytes, bool enabled)
-      : grp(g), gb(bytes), ahead(enabled ? (kPrefetchBytes + bytes - 1) / bytes : 0), on(enabled) {}
+      : grp(g), gb(bytes), ahead(enabled ? (kPrefetchBytes + bytes - 1) / bytes : 0) {}
   void operator()(int64_t b) const {
-    if (on) prefetch_block(grp + (b + ahead) * gb, gb);
+    if (ahead > 0) prefetch_block(grp + (b + ahead) * gb, gb);
   }
 };
 
