@@ -119,3 +119,28 @@ def test_native_layer_in_one_call_equals_the_modules(gguf_dirs, dtype):
             assert layer._native_layer is not None  # the one-call path ran
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
             assert torch.equal(kvs[0].buf, kvs[1].buf)
+
+
+def test_all_layers_in_one_call_equal_the_layer_calls(gguf_dirs):
+    """The model's forward (every layer in one C++ call) gives bit for bit what calling each
+    layer in turn gives, for 1 to 16 rows, and writes the same KV."""
+    with torch.no_grad():
+        if not ops.native_layer_twin(torch.zeros(1, 8)):
+            pytest.skip("no CPU twin of RMSNorm / tree attention here")
+    m = load_model(gguf_dirs[2], weights="native")
+    assert m.all_native and m.tp.size == 1
+    for n in (1, 2, 5, 16):
+        ids, pos = torch.arange(3, 3 + n), torch.arange(20, 20 + n)
+        mask = torch.ones(n, 40, dtype=torch.bool).tril(20)
+        kvs = [m.make_kv_cache(64) for _ in range(2)]
+        for kv in kvs:
+            kv.buf[:, :, :, :20].normal_(generator=torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            a = m(ids, pos, pos.clone(), mask, kvs[0])
+            x, res = m.embed_tokens(ids), None
+            for i in m.stage:
+                x, res = m.layers[i](x, res, pos, m.rope, pos.clone(), mask, kvs[1].layer(i))
+            b = m.norm(x, res)[0]
+        assert m._native_layers is not None  # the one-call path ran
+        assert torch.equal(a, b)
+        assert torch.equal(kvs[0].buf, kvs[1].buf)

@@ -201,6 +201,9 @@ class LlamaForCausalLM(nn.Module):
                                                        embed[0] if embed else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, f"model.layers.{i}", native, int8) if i in stage
                                     else nn.Identity() for i in range(cfg.num_layers))
+        # every layer of the stage on GGUF blocks: at TP 1 on the CPU twins, one C++ call runs them all
+        self.all_native = all(self.layers[i].all_native for i in stage)
+        self._native_layers = None
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                     cfg.rope_theta, cfg.rope_scaling)
         self.norm = self.lm_head = None
@@ -251,12 +254,22 @@ class LlamaForCausalLM(nn.Module):
         if self.first:
             x, residual = self.embed_tokens(x), None
         kv.note_positions(slots, positions)
-        for i in self.stage:
-            x, residual = self.layers[i](x, residual, positions, self.rope, slots, mask, kv.layer(i - self.stage.start),
-                                         kv_len)
+        if self.tp.size == 1 and self.all_native and ops.native_layer_twin(x):  # one C++ call for every layer
+            x, residual = ops.native_layers_forward(self.native_layers(), x, residual, kv.buf, slots, positions,
+                                                    self.rope.cos, self.rope.sin, mask, kv.pos)
+        else:
+            for i in self.stage:
+                x, residual = self.layers[i](x, residual, positions, self.rope, slots, mask,
+                                             kv.layer(i - self.stage.start), kv_len)
         if self.last:
             return self.norm(x, residual)[0], None
         return x, residual
+
+    def native_layers(self) -> list:
+        """The stage's C++ layers in order (:meth:`DecoderLayer.native_layer`), listed once."""
+        if self._native_layers is None:
+            self._native_layers = [self.layers[i].native_layer() for i in self.stage]
+        return self._native_layers
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:

@@ -249,6 +249,18 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int], d
     return quant.torch_linear(x, parts, types, dequantized())
 
 
+def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``[N, row_bytes]`` uint8 plain GGUF blocks -> ``[N, K]`` float32 (an embedding's rows, a
+    few per step): on the "cpu" backend one C++ loop, else :func:`swiftspec.ops.quant.dequantize`
+    (~20 PyTorch ops: ~0.3-0.8 ms for one or two rows); the same bits either way. Raises
+    RuntimeError / KeyError on a type without a kernel, ValueError / RuntimeError on partial blocks."""
+    from swiftspec.ops import quant
+
+    if backend(raw) == "cpu" and quant.group_rows(ggml_type) == 1:
+        return _cpu_module().quant_dequantize(raw, int(ggml_type))
+    return quant.dequantize(raw, ggml_type)
+
+
 def set_quant_x8(enabled: bool) -> None:
     """Let GGUF weights built from now on take the interleaved layout (True, the default) or keep
     the plain one (False: benchmarks compare the two side by side)."""
@@ -298,6 +310,20 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
         blocks += [list(w.parts), list(w.types)]
     return _cpu_module().NativeDecoderLayer(ln1, ln2, float(eps), blocks[0], blocks[1], qkv_bias, *blocks[2:],
                                             num_heads, num_kv_heads, head_dim, float(scale))
+
+
+def native_layers_forward(layers: list, x: torch.Tensor, residual: torch.Tensor | None, kv_buf: torch.Tensor,
+                          slots: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                          sin_table: torch.Tensor, mask: torch.Tensor, slot_positions: torch.Tensor | None):
+    """Every decoder layer in one C++ call (``csrc/cpu/decoder_layer.cpp``, ``forward_layers``):
+    ``layers`` are :func:`native_decoder_layer` objects in order, layer ``j`` reading and writing
+    its keys and values at ``kv_buf[j]`` (``[len(layers), 2, kv_heads, capacity, head_dim]``, a
+    :class:`~swiftspec.models.kv_cache.KVCache`'s buffer); the other arguments as each layer's
+    ``forward``. Returns ``(out, x + residual)`` after the last layer, bit-identical to calling
+    the layers one by one (it saves the interpreter between them). Use it only where
+    :func:`native_layer_twin` holds. Raises RuntimeError on inconsistent shapes."""
+    return _cpu_module().native_layers_forward(layers, x, residual, kv_buf, slots, positions, cos_table, sin_table,
+                                               mask, slot_positions)
 
 
 def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_table, sin_table, mask,
