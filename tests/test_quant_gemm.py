@@ -61,6 +61,21 @@ def test_dequantize_matches_gguf_library(t):
 
 
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=_name)
+def test_cpp_dequantize_bit_identical_to_torch(t):
+    """The embedding rows' C++ loop (ops.dequantize on the CPU backend) gives the PyTorch
+    reference's bits, every type; interleaved and unknown types are refused."""
+    m = _module()
+    raw = random_blocks(t, 6, _k(t) * 2, seed=3)
+    want = quant.dequantize(raw, int(t))
+    assert torch.equal(m.quant_dequantize(raw, int(t)), want)
+    assert torch.equal(ops.dequantize(raw[[4, 1]], int(t)), want[[4, 1]])
+    with pytest.raises(RuntimeError, match="no plain block type"):
+        m.quant_dequantize(raw, int(t) | quant.X8)
+    with pytest.raises(RuntimeError, match="whole number"):
+        m.quant_dequantize(raw[:, 1:], int(t))
+
+
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=_name)
 def test_activations_bit_identical_to_torch(t):
     """Every ISA's quantizer (each impl brings its own: scalar, AVX2, AVX-512) forms the reference's
     int8 values, scales and sums, ties to even included."""

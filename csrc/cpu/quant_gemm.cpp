@@ -281,7 +281,74 @@ at::Tensor interleave(const at::Tensor& w, int64_t xtype, bool to_x) {
   return dst;
 }
 
+// One plain block of type t -> its values y[0, block_values(t)), with the float operations of the
+// PyTorch reference (swiftspec/ops/quant.py dequantize) in the same order, never contracted into an
+// fma, so the same bits: q * d; Q4_K / Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * q.
+__attribute__((optimize("fp-contract=off"))) static void dequantize_block(int t, const uint8_t* b, float* y) {
+  if (t == kQ4_K || t == kQ5_K) {
+    const float d = load_f16(b), dmin = load_f16(b + 2);
+    const uint8_t* qs = b + (t == kQ5_K ? 48 : 16);
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      k4_scale_min(b + 4, g, &sc, &mn);
+      const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+      for (int l = 0; l < 32; ++l) {
+        int q = g % 2 ? qs[32 * (g / 2) + l] >> 4 : qs[32 * (g / 2) + l] & 15;
+        if (t == kQ5_K) q |= ((b[16 + l] >> g) & 1) << 4;
+        y[32 * g + l] = ds * static_cast<float>(q) - dm;
+      }
+    }
+  } else if (t == kQ6_K) {
+    const float d = load_f16(b + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int r = 0; r < 32; ++r) {
+          const uint8_t lo = b[64 * h + 32 * (k % 2) + r];
+          const int q = ((k < 2 ? lo & 15 : lo >> 4) | (((b[128 + 32 * h + r] >> (2 * k)) & 3) << 4)) - 32;
+          const float sc = static_cast<float>(static_cast<int8_t>(b[192 + 8 * h + 2 * k + r / 16]));
+          y[128 * h + 32 * k + r] = d * sc * static_cast<float>(q);
+        }
+  } else {  // the 32-value types
+    const float d = load_f16(b);
+    uint32_t qh = 0;
+    if (t == kQ5_0) __builtin_memcpy(&qh, b + 2, 4);
+    for (int l = 0; l < 32; ++l) {
+      int q;
+      if (t == kQ8_0) {
+        q = static_cast<int8_t>(b[2 + l]);
+      } else {
+        const uint8_t byte = b[(t == kAWQ4 ? 4 : (t == kQ5_0 ? 6 : 2)) + l % 16];
+        q = l < 16 ? byte & 15 : byte >> 4;
+        if (t == kQ5_0) q = (q | static_cast<int>(((qh >> l) & 1u) << 4)) - 16;
+        if (t == kQ4_0) q -= 8;
+        if (t == kAWQ4) q -= b[2];
+      }
+      y[l] = static_cast<float>(q) * d;
+    }
+  }
+}
+
 }  // namespace
+
+// [N, row_bytes] uint8 plain blocks of ggml type t -> [N, K] float32, bit-identical to the
+// PyTorch reference (a model's embedding rows: a lookup of a few rows per step).
+at::Tensor dequantize(const at::Tensor& raw, int64_t type) {
+  const int t = static_cast<int>(type);
+  TORCH_CHECK(!is_x8(t) && !is_x16(t) && block_bytes(t) > 0, "quant_dequantize: no plain block type ", type);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.device().is_cpu(),
+              "quant_dequantize: raw must be a [N, row_bytes] uint8 CPU tensor, got ", raw.sizes());
+  const int bb = block_bytes(t), qk = block_values(t);
+  TORCH_CHECK(raw.size(1) % bb == 0, "quant_dequantize: ", raw.size(1), " bytes per row is not a whole number of ",
+              bb, "-byte blocks");
+  const at::Tensor w = raw.contiguous();
+  const int64_t n = w.size(0), nb = w.size(1) / bb;
+  at::Tensor out = at::empty({n, nb * qk}, w.options().dtype(at::kFloat));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  for (int64_t i = 0; i < n * nb; ++i) dequantize_block(t, src + i * bb, y + i * qk);
+  return out;
+}
+
 }  // namespace quant
 
 at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
@@ -304,6 +371,9 @@ void register_quant_gemm(pybind11::module_& m) {
         "(a type | 0x100 or | 0x200; N a multiple of 8 or 16)");
   m.def("quant_deinterleave", [](const at::Tensor& w, int64_t t) { return quant::interleave(w, t, false); },
         pybind11::arg("w"), pybind11::arg("x8_type"), "the inverse of quant_interleave");
+  m.def("quant_dequantize", &quant::dequantize, pybind11::arg("raw"), pybind11::arg("type"),
+        "[N, row_bytes] uint8 plain blocks of a ggml type -> [N, K] float32, bit-identical to "
+        "swiftspec.ops.quant.dequantize; RuntimeError on an interleaved or unknown type");
   m.def("quant_impls", [] { return quant::impls(); },
         "the quantized-GEMM kernels this CPU runs, the one \"auto\" runs first (by default the fastest)");
   m.def("quant_set_impl", &quant::set_impl, pybind11::arg("impl"),

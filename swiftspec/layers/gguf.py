@@ -140,8 +140,8 @@ class GGUFWeight(nn.Module):
         if g > 1:  # the rows' interleaved groups, back to plain blocks
             groups = raw.view(-1, g, raw.shape[1])[ids // g].reshape(-1, raw.shape[1])
             plain = quant.deinterleave(groups, t).view(len(ids), g, -1)
-            return quant.dequantize(plain[torch.arange(len(ids)), ids % g], quant.base_type(t))
-        return quant.dequantize(raw[ids], t)
+            return ops.dequantize(plain[torch.arange(len(ids)), ids % g], quant.base_type(t))
+        return ops.dequantize(raw[ids], t)
 
     def extra_repr(self) -> str:
         names = [quant.GGML_TYPES[t][0] for t in self.types]
