@@ -508,7 +508,7 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"time with the gate and {time_ratio(name31, plain, 'autoregressive', 'sum')} without") in text
     name33 = "run33-zen3-6x5-1.json"
     for name in run31 + [name31, name33, "run34-zen3-6x5-1.json", "run34-zen3-6x5-2.json",
-                         "run36-zen3-6x5.json"]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
+                         "run36-zen3-6x5.json", "run37-zen3-6x5.json"]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
         rs = [r for r in records(name) if r["system"] in (auto, plain)]
         assert all(r["matches_target"] for r in rs) and len(rs) == 60
         assert {r["dataset"] for r in rs if r["ran"] == "autoregressive"} == {"sum"}
@@ -541,6 +541,27 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     ab36 = {s: " / ".join(f"{records(f'readme-command-zen3-run36-{s}-{i}.json', 'metrics')['tokens_per_s']:.2f}"
                           for i in (1, 2, 3)) for s in ("before", "after")}
     assert f"{ab36['before']} tokens/s before, {ab36['after']} after" in results
+    # run 37 (every layer in one C++ call): README and RESULTS quote its record, its forward and README-command A/B
+    tot37 = overall(records("run37-zen3-6x5.json"))
+    assert (f"(run 37, the same command) the default mode decoded {tot37[auto] / tot37['llama-cpp']:.2f}x "
+            f"llama.cpp and our `autoregressive` {tot37['autoregressive'] / tot37['llama-cpp']:.2f}x") in text
+    assert (f"The default mode decodes **{tot37[auto] / tot37['llama-cpp']:.2f}x llama.cpp** (goal 1.3x: not met; "
+            f"runs 33-36: 1.09-1.16x), our `autoregressive` {tot37['autoregressive'] / tot37['llama-cpp']:.2f}x") in results
+    assert (f"without the gate {tot37[plain] / tot37['llama-cpp']:.2f}x, llama.cpp's speculative mode "
+            f"{tot37['llama-cpp-spec'] / tot37['llama-cpp']:.2f}x") in results
+    assert (f"(default mode {tot37[auto] / tot37['autoregressive']:.2f}x our `autoregressive`; QA "
+            f"{ratio('run37-zen3-6x5.json', auto, 'autoregressive', 'qa')[:-1]}x") in results
+    ab37 = {s: " / ".join(f"{records(f'readme-command-zen3-run37-{s}-{i}.json', 'metrics')['tokens_per_s']:.2f}"
+                          for i in (1, 2, 3)) for s in ("before", "after")}
+    assert f"{ab37['before']} tokens/s before, {ab37['after']} after" in results
+    for model, row in (("target", 1), ("target", 2), ("draft", 1), ("draft", 2)):
+        ms = {s: " / ".join(f"{records(f'native-forward-{model}-zen3-run37-{s}-{i}.json', 'rows')[row - 1]['ms']:.1f}"
+                            for i in (1, 2)) for s in ("before", "after")}
+        assert f"| {model} | {row} | {ms['before']} | {ms['after']} |" in results, (model, row)
+    share = {s: [f"{100 * records(f'native-forward-target-zen3-run37-{s}-{i}.json', 'rows')[0]['of_bandwidth']:.0f} %"
+                 for i in (1, 2)] for s in ("before", "after")}
+    assert (f"reached {share['after'][0]} and {share['after'][1]} of the probe's bandwidth in the two after-runs "
+            f"({share['before'][0]} and {share['before'][1]} before)") in results
     tot34b = overall(records("run34-zen3-6x5-2.json"))
     assert (f"a second run of the same code right after it measured {tot34b[auto] / tot34b['llama-cpp']:.2f}x and "
             f"{tot34b['autoregressive'] / tot34b['llama-cpp']:.2f}x") in text
