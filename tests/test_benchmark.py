@@ -532,34 +532,37 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
             f"{tot34['autoregressive'] / tot34['llama-cpp']:.2f}x;") in text
     assert (f"the previous run (run 33, the same code but for the huge pages below) {tot33[auto] / tot33['llama-cpp']:.2f}x "
             f"and {tot33['autoregressive'] / tot33['llama-cpp']:.2f}x") in text
+    def vs_llama(tot, system):  # a system's overall tokens/s against llama.cpp's, as quoted
+        return f"{tot[system] / tot['llama-cpp']:.2f}x"
+
+    def readme_ab(run):  # the README command's before / after tokens/s of a run, as quoted
+        ab = {s: " / ".join(f"{records(f'readme-command-zen3-run{run}-{s}-{i}.json', 'metrics')['tokens_per_s']:.2f}"
+                            for i in (1, 2, 3)) for s in ("before", "after")}
+        return f"{ab['before']} tokens/s before, {ab['after']} after"
+
     tot36 = overall(records("run36-zen3-6x5.json"))
-    assert (f"a later session (run 36, the same command) {tot36[auto] / tot36['llama-cpp']:.2f}x and "
-            f"{tot36['autoregressive'] / tot36['llama-cpp']:.2f}x") in text
+    assert (f"a later session (run 36, the same command) {vs_llama(tot36, auto)} and "
+            f"{vs_llama(tot36, 'autoregressive')}") in text
     results = " ".join((root / "bench" / "RESULTS.md").read_text().split())
-    assert (f"The default mode decodes **{tot36[auto] / tot36['llama-cpp']:.2f}x llama.cpp** (goal 1.3x: not met; "
-            f"runs 33-34: 1.09-1.16x), our `autoregressive` {tot36['autoregressive'] / tot36['llama-cpp']:.2f}x") in results
+    assert (f"The default mode decodes **{vs_llama(tot36, auto)} llama.cpp** (goal 1.3x: not met; "
+            f"runs 33-34: 1.09-1.16x), our `autoregressive` {vs_llama(tot36, 'autoregressive')}") in results
     assert f"On QA speculation lost ({ratio('run36-zen3-6x5.json', auto, 'autoregressive', 'qa')} our `autoregressive`" in results
-    ab36 = {s: " / ".join(f"{records(f'readme-command-zen3-run36-{s}-{i}.json', 'metrics')['tokens_per_s']:.2f}"
-                          for i in (1, 2, 3)) for s in ("before", "after")}
-    assert f"{ab36['before']} tokens/s before, {ab36['after']} after" in results
+    assert readme_ab(36) in results
     # run 37 (every layer in one C++ call): README and RESULTS quote its record, its forward and README-command A/B
     tot37 = overall(records("run37-zen3-6x5.json"))
-    assert (f"(run 37, the same command) the default mode decoded {tot37[auto] / tot37['llama-cpp']:.2f}x "
-            f"llama.cpp and our `autoregressive` {tot37['autoregressive'] / tot37['llama-cpp']:.2f}x") in text
-    assert (f"The default mode decodes **{tot37[auto] / tot37['llama-cpp']:.2f}x llama.cpp** (goal 1.3x: not met; "
-            f"runs 33-36: 1.09-1.16x), our `autoregressive` {tot37['autoregressive'] / tot37['llama-cpp']:.2f}x") in results
-    assert (f"without the gate {tot37[plain] / tot37['llama-cpp']:.2f}x, llama.cpp's speculative mode "
-            f"{tot37['llama-cpp-spec'] / tot37['llama-cpp']:.2f}x") in results
+    assert (f"(run 37, the same command) the default mode decoded {vs_llama(tot37, auto)} "
+            f"llama.cpp and our `autoregressive` {vs_llama(tot37, 'autoregressive')}") in text
+    assert (f"The default mode decodes **{vs_llama(tot37, auto)} llama.cpp** (goal 1.3x: not met; "
+            f"runs 33-36: 1.09-1.16x), our `autoregressive` {vs_llama(tot37, 'autoregressive')}") in results
+    assert (f"without the gate {vs_llama(tot37, plain)}, llama.cpp's speculative mode "
+            f"{vs_llama(tot37, 'llama-cpp-spec')}") in results
     assert (f"(default mode {tot37[auto] / tot37['autoregressive']:.2f}x our `autoregressive`; QA "
-            f"{ratio('run37-zen3-6x5.json', auto, 'autoregressive', 'qa')[:-1]}x") in results
+            f"{ratio('run37-zen3-6x5.json', auto, 'autoregressive', 'qa')}") in results
     tot37b = overall(records("run37-zen3-6x5-2.json"))
-    assert (f"measured the default mode at {tot37b[auto] / tot37b['llama-cpp']:.2f}x llama.cpp and our `autoregressive` "
-            f"at {tot37b['autoregressive'] / tot37b['llama-cpp']:.2f}x") in results
-    assert (f"second run right after it {tot37b[auto] / tot37b['llama-cpp']:.2f}x and "
-            f"{tot37b['autoregressive'] / tot37b['llama-cpp']:.2f}x") in text
-    ab37 = {s: " / ".join(f"{records(f'readme-command-zen3-run37-{s}-{i}.json', 'metrics')['tokens_per_s']:.2f}"
-                          for i in (1, 2, 3)) for s in ("before", "after")}
-    assert f"{ab37['before']} tokens/s before, {ab37['after']} after" in results
+    assert (f"measured the default mode at {vs_llama(tot37b, auto)} llama.cpp and our `autoregressive` "
+            f"at {vs_llama(tot37b, 'autoregressive')}") in results
+    assert f"second run right after it {vs_llama(tot37b, auto)} and {vs_llama(tot37b, 'autoregressive')}" in text
+    assert readme_ab(37) in results
     for model, row in (("target", 1), ("target", 2), ("draft", 1), ("draft", 2)):
         ms = {s: " / ".join(f"{records(f'native-forward-{model}-zen3-run37-{s}-{i}.json', 'rows')[row - 1]['ms']:.1f}"
                             for i in (1, 2)) for s in ("before", "after")}
