@@ -12,9 +12,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from swiftspec.draft_state import TreeParams
+from swiftspec.ngram import NgramParams
 from swiftspec.placement import DEVICES
 
-MODES = ("async", "serial", "colocated", "autoregressive", "pipedec", "pipeinfer", "pipeline-autoregressive")
+MODES = ("async", "serial", "colocated", "autoregressive", "ngram", "pipedec", "pipeinfer", "pipeline-autoregressive")
+# the modes that run the target alone (no draft model is loaded)
+TARGET_ONLY_MODES = ("autoregressive", "ngram", "pipeline-autoregressive")
 PIPELINE_MODES = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 WEIGHT_FORMATS = ("native", "bfloat16", "float32")
 
@@ -28,7 +31,10 @@ class EngineConfig:
             (SwiftSpec), "serial" (SwiftSpec-base), "colocated" (Algorithm 1 in one process: on
             one GPU the draft expands on its CUDA stream while the target verifies on another;
             on CPU it degenerates to serial with no expansion between verifications),
-            "autoregressive", or a pipeline mode (with
+            "autoregressive", "ngram" (the target alone, verifying prompt-lookup proposals: the
+            tokens that followed the latest earlier occurrence of the text's last ``ngram_min`` to
+            ``ngram_max`` tokens, ``ngram_tokens`` of them per step; no draft model,
+            :mod:`swiftspec.ngram`), or a pipeline mode (with
             ``pipeline_stages`` >= 2; :mod:`swiftspec.pipeline_decode`): "pipedec" (PipeDec: the
             draft in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per
             node), "pipeinfer" (PipeInfer: a run of ``w`` draft tokens enters every timestep,
@@ -64,6 +70,9 @@ class EngineConfig:
             GPU count.
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
             8, 2, w, 1024, 256.
+        ngram_min / ngram_max / ngram_tokens: the "ngram" mode's lookup lengths and proposal
+            length (:class:`swiftspec.ngram.NgramParams`); defaults 2, 4, 1: a verification of
+            two rows costs little more than one on a CPU, a third row much more (bench/RESULTS.md).
         d: expansions per iteration; None = automatic in async, 3 in serial; in colocated
             the most that may overlap one verification (None: as many as fit).
         max_model_len: context length in tokens (prompt + generation).
@@ -117,6 +126,9 @@ class EngineConfig:
     max_nodes: int = 1024
     max_cached: int = 256
     d: int | None = None
+    ngram_min: int = 2
+    ngram_max: int = 4
+    ngram_tokens: int = 1
     max_model_len: int = 4096
     pipeline_stages: int = 1
     pipeline_order: str = "layer"
@@ -175,6 +187,7 @@ class EngineConfig:
             if self.device == "cpu":
                 raise ValueError("draft_sms partitions a GPU's SMs: it needs device 'cuda' (or 'auto' on a GPU)")
         self.tree_params()  # validates bs, w, ...
+        self.ngram_params()
 
     def draft_logits_vocab(self, vocab: int) -> int:
         """The ids the draft proposes, ``[0, result)``, for a pair sharing ``vocab`` ids."""
@@ -187,6 +200,10 @@ class EngineConfig:
 
     def tree_params(self) -> TreeParams:
         return TreeParams(self.bs, self.w, self.topk or self.w, self.max_nodes, self.max_cached)
+
+    def ngram_params(self) -> NgramParams:
+        """The "ngram" mode's proposal shape. Raises ValueError on invalid lengths."""
+        return NgramParams(self.ngram_min, self.ngram_max, self.ngram_tokens)
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "EngineConfig":
@@ -224,11 +241,13 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     bus and the target reads its GGUF blocks (``target_native``) with a SIMD kernel, the default
     pair's draft forward costs ~0.3x the target's and a verification of n nodes grows with n, so
     ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes
-    fastest: with AVX-512 VNNI (run 16: 1.06x ``autoregressive``, where bs 4 with 3 expansions was
+    fastest with AVX-512 VNNI (run 16: 1.06x ``autoregressive``, where bs 4 with 3 expansions was
     0.95x; run 26, side by side on AMD Zen 5: 1.27x, deeper trees 1.24-1.31x, within the 5 %
-    ``swiftspec profile`` asks of a change) and with AVX2 (run 26: the extension built as an
-    AVX2-only CPU builds it, its AVX2 kernels, fp32: 1.22x, bs 4 with 2 or 3 expansions
-    1.13x / 1.10x). With the scalar kernel or the kernels off, ``autoregressive``. With dequantized
+    ``swiftspec profile`` asks of a change). With AVX2 alone (no VNNI: a two-row verification
+    costs ~1.15x a one-row step, the draft's forward ~0.35x) it gained 1.04-1.10x on a real
+    AMD Zen 3 (runs 33-37) while ``ngram`` (the target alone verifying prompt-lookup proposals:
+    no draft forward, no draft prefill) measured 1.17x on the same 30 prompts (run 38), so AVX2
+    runs ``ngram``. With the scalar kernel or the kernels off, ``autoregressive``. With dequantized
     weights (each forward reads 3-6x the bytes, so several nodes cost little more than one)
     ``serial`` on all cores beats ``async`` (runs 6/7), since splitting the bus slows the target
     more than overlapping saves.
@@ -266,6 +285,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
         from swiftspec import ops
 
         isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
+        if isa in NGRAM_QUANT_KERNELS:
+            return "ngram", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
+                             f"({isa}), where a draft forward costs a third of a target step: the target alone "
+                             f"verifying prompt-lookup proposals measured fastest"), {}
         if isa in SIMD_QUANT_KERNELS:
             return "serial", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
                               f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
@@ -280,6 +303,9 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 SHALLOW_TREE = {"bs": 2, "d": 1}
 # the quantized-GEMM kernels (ops.cpu_dispatch()["quant_gemm"]) with which that mode measured fastest
 SIMD_QUANT_KERNELS = ("avx512_vnni_512", "avx512_vnni", "avx2")
+# ... and those with which the ngram mode measured faster still (AVX2 without VNNI, AMD Zen 3, run 38:
+# 1.17x autoregressive on the 30 prompts, where serial bs 2 measured 1.04-1.10x in runs 33-37)
+NGRAM_QUANT_KERNELS = ("avx2",)
 _TREE_FIELDS = ("bs", "w", "topk", "d")
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 # the configuration lives in swiftspec.config; its names stay importable from here
-from swiftspec.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, WEIGHT_FORMATS, EngineConfig,  # noqa: F401
+from swiftspec.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, TARGET_ONLY_MODES, WEIGHT_FORMATS,  # noqa: F401
+                              EngineConfig,
                               _available_cores, choose_mode, cpu_has_bf16)
 from swiftspec.detokenize import IncrementalText
 from swiftspec.metrics import RequestMetrics
@@ -184,7 +185,7 @@ class Engine:
         self._conns: list[Connection] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
-        if config.mode in ("autoregressive", "pipeline-autoregressive"):
+        if config.mode in TARGET_ONLY_MODES:
             self.draft_path = None
         else:
             self.draft_path = draft_path or resolve_model(draft, "draft", cache_dir)
@@ -265,6 +266,7 @@ class Engine:
                                   kind=kind, cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
                                   device=group.devices[j],
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
+                                  ngram=self.config.ngram_params(),
                                   draft_vocab=self.config.draft_logits_vocab(self.vocab_limit),
                                   draft_quant=draft_quant,
                                   kernels=self.config.kernels, cuda_graphs=self.config.cuda_graphs,
@@ -411,7 +413,7 @@ class Engine:
                 would have (the tokens are then not the target's), and with recorded
                 log-probabilities the draft's tree takes the recorded draft's shape. Greedy requests
                 without log-probabilities, in the serial, async and colocated modes (the
-                autoregressive mode has nothing to replay and ignores it).
+                autoregressive and ngram modes have no draft tree to replay and ignore it).
         Raises:
             ValueError: empty prompt, or prompt longer than ``max_model_len - 1`` tokens; a
                 ``replay`` with a sampled or log-probability request, or in a pipeline mode.

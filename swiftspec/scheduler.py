@@ -8,6 +8,8 @@ Algorithm 1; the pipeline modes: :mod:`swiftspec.pipeline_decode`).
   the draft expanding on its CUDA stream while the target's verification runs on another.
 - ``serial`` (SwiftSpec-base): :func:`run_serial`, draft then verify, in one group.
 - ``autoregressive``: :func:`run_autoregressive`, the target alone, one token per forward.
+- ``ngram``: :func:`run_ngram`, the target alone verifying prompt-lookup proposals
+  (:mod:`swiftspec.ngram`): no draft model.
 
 Each loop reports verified tokens through ``emit(tokens, t, logprobs)`` (``t`` =
 time.perf_counter(), comparable across processes on Linux; ``logprobs`` one
@@ -25,6 +27,7 @@ from typing import Callable, Protocol
 
 from swiftspec.acceptance import Replay
 from swiftspec.draft_state import DraftState
+from swiftspec.ngram import NgramParams, NgramProposer
 from swiftspec.payback import PaybackGate
 from swiftspec.runner import Launched
 from swiftspec.sampling import Sampler, SamplingParams
@@ -125,10 +128,13 @@ class TargetStats:
 
 
 def _verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: StopChecker,
-                 emit, stats: TargetStats, launched: Launched | None = None) -> list[int]:
+                 emit, stats: TargetStats, launched: Launched | None = None, replayed: bool = True) -> list[int]:
     """Verify ``sg`` (its forward already ``launched`` by :meth:`TargetState.launch`, or now),
-    emit the kept tokens; returns the verified tokens."""
-    replay = None if stop.req.replay is None else stop.req.replay.ranks[len(stop.ids):]  # from the root's children on
+    emit the kept tokens; returns the verified tokens. ``replayed``: follow the request's replayed
+    acceptance trace, if it has one (False: the subgraph is not the draft tree's)."""
+    replay = None
+    if replayed and stop.req.replay is not None:
+        replay = stop.req.replay.ranks[len(stop.ids):]  # from the root's children on
     res = target.accept(sg, launched or target.launch(sg, sampler), sampler, stop.remaining, replay)
     _emit_verified(res, stop, emit)
     stats.verifications += 1
@@ -156,6 +162,24 @@ def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecke
     _prefill_target(target, req, sampler, stop, emit)
     while not stop.reason:
         _target_step(target, sampler, stop, emit, stats)
+    stats.reason = stop.reason
+    return stats
+
+
+def run_ngram(target: TargetState, req: Request, emit, params: NgramParams,
+              stop: StopChecker | None = None) -> TargetStats:
+    """The target alone, each forward verifying the root and the n-gram proposal that follows it
+    (:class:`swiftspec.ngram.NgramProposer` over the prompt and the verified tokens) as a chain;
+    a step without a proposal verifies the root alone (a one-token step, as
+    :func:`run_autoregressive`). Lossless as every mode: the walk keeps the target's own tokens.
+    A replayed acceptance trace does not apply (no draft tree) and is ignored."""
+    sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
+    first = _prefill_target(target, req, sampler, stop, emit)
+    proposer = NgramProposer(params, req.prompt_ids + [first])
+    while not stop.reason:
+        chain = [target.root] + proposer.propose()[:max(0, stop.remaining - 1)]
+        sg = Subgraph(chain, list(range(-1, len(chain) - 1)), list(range(len(chain))))
+        proposer.extend(_verify_step(target, sg, sampler, stop, emit, stats, replayed=False))
     stats.reason = stop.reason
     return stats
 

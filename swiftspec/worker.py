@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from swiftspec.draft_state import DraftState, TreeParams
+from swiftspec.ngram import NgramParams
 from swiftspec.payback import PaybackGate
 
 ROLE_TARGET, ROLE_DRAFT = "target", "draft"
@@ -31,7 +32,7 @@ class WorkerSpec:
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
         kind: this group's job: "target" (async target group), "draft" (async draft group),
-            "serial" or "colocated" (both models), "autoregressive" (target only), "pipedec" /
+            "serial" or "colocated" (both models), "autoregressive" or "ngram" (target only), "pipedec" /
             "pipeinfer" / "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.serve_stage`).
         stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
@@ -42,7 +43,8 @@ class WorkerSpec:
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.placement`); it also picks the collective backend.
         dtype: "float32" or "bfloat16".
-        max_model_len: context length in tokens; tree: draft tree parameters.
+        max_model_len: context length in tokens; tree: draft tree parameters; ngram: the "ngram"
+            mode's proposal shape.
         draft_vocab: the draft proposes only ids ``[0, draft_vocab)`` (ids the target knows too,
             optionally fewer: the most frequent ones).
         draft_quant: "int8" or None: weight-only quantization of the draft model.
@@ -69,6 +71,7 @@ class WorkerSpec:
     weights: str = "native"
     max_model_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
+    ngram: NgramParams = field(default_factory=NgramParams)
     draft_vocab: int | None = None
     draft_quant: str | None = None
     kernels: bool = True
@@ -81,6 +84,11 @@ class WorkerSpec:
     start_timeout_s: float = 600.0
     draft_payback: bool = False
     draft_sms: int | None = None
+
+    @property
+    def verify_rows(self) -> int:
+        """The most rows a target verification takes: a draft subgraph or an n-gram chain and its root."""
+        return max(self.tree.bs, self.ngram.tokens + 1)
 
     @property
     def is_leader(self) -> bool:
@@ -102,8 +110,8 @@ def graph_buckets(most: int) -> list[int]:
 
 
 def _capacity(spec: WorkerSpec, role: str) -> int:
-    if role == ROLE_TARGET:
-        return spec.max_model_len + spec.tree.bs
+    if role == ROLE_TARGET:  # room for a verification batch past the context
+        return spec.max_model_len + spec.verify_rows
     return spec.max_model_len + spec.tree.max_cached + spec.tree.w
 
 
@@ -130,7 +138,7 @@ def _setup(spec: WorkerSpec):
             if role == ROLE_DRAFT and spec.draft_sms is not None:  # the draft on its share of the SMs
                 extra["sm_count"] = spec.draft_sms
         if spec.cuda_graphs and device.type == "cuda" and tp.size == 1:  # collectives are not captured
-            extra["graph_sizes"] = graph_buckets(spec.tree.bs if role == ROLE_TARGET else 2 * spec.tree.bs)
+            extra["graph_sizes"] = graph_buckets(spec.verify_rows if role == ROLE_TARGET else 2 * spec.tree.bs)
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
     return runners
@@ -214,6 +222,8 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
             stop = scheduler.StopChecker(req, decode, cancelled=engine.poll)
             if spec.kind == "autoregressive":
                 st = scheduler.run_autoregressive(target, req, emit, stop)
+            elif spec.kind == "ngram":
+                st = scheduler.run_ngram(target, req, emit, spec.ngram, stop)
             elif spec.kind == "serial":
                 st = scheduler.run_serial(draft, target, req, emit, stop, gate)
             elif spec.kind == "colocated":

@@ -182,7 +182,7 @@ def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, mon
     monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
     from swiftspec import ops
     for isa, want in (("avx512_vnni", ("serial", engine.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", engine.SHALLOW_TREE)),
-                      ("avx2", ("serial", engine.SHALLOW_TREE)), ("scalar", ("autoregressive", {})),
+                      ("avx2", ("ngram", {})), ("scalar", ("autoregressive", {})),
                       ("torch", ("autoregressive", {}))):
         monkeypatch.setattr(ops, "cpu_dispatch", lambda isa=isa: {"quant_gemm": isa})
         mode, why, tree = engine.choose_mode(auto, True, None)

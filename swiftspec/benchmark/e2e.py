@@ -129,6 +129,7 @@ class EngineSystem:
 
     def __init__(self, system: str, target, draft, dtype: str, cores: list[int], d: int | None,
                  config: str | None = None, device: str = "auto"):
+        from swiftspec.config import TARGET_ONLY_MODES
         from swiftspec.engine import Engine, EngineConfig
 
         if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
@@ -145,7 +146,7 @@ class EngineSystem:
             else:
                 kw.update(target_cores=cores)
             cfg = EngineConfig(**kw)
-        self.engine = Engine(target, draft if cfg.mode not in ("autoregressive", "pipeline-autoregressive") else None,
+        self.engine = Engine(target, draft if cfg.mode not in TARGET_ONLY_MODES else None,
                              config=cfg)
         self.system = system
         c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)

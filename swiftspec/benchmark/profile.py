@@ -13,7 +13,8 @@ where draft and target take turns on every device, with the default tree, the sh
 (``engine.SHALLOW_TREE``: bs 2, one expansion; bench/RESULTS.md run 16) and a middle one
 (:data:`MIDDLE_TREE`: bs 4, two expansions, within a few percent of the shallow one on AMD Zen 5,
 run 26, so a machine where it is clearly faster gets it); and so is the target alone
-(``autoregressive``), which wins where a verification batch costs more than it saves. The paper's
+(``autoregressive``), which wins where a verification batch costs more than it saves, and the
+target alone verifying prompt-lookup proposals (``ngram``: no draft forward, no draft prefill). The paper's
 GPUs gain from splitting because a group's speed grows slowly with its size; on a few CPU cores
 the target's speed is about proportional to its cores (bench/RESULTS.md: 8-row verification 182
 ms on one core, and 233 ms while the draft streams its weights on the other), so sharing can
@@ -173,7 +174,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
         return out
 
     rows: list[dict] = []
-    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 5, desc="candidates", file=sys.stderr,
+    bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 6, desc="candidates", file=sys.stderr,
                disable=not progress)
     for t_dev, d_dev in splits:
         for bs, w in shapes:
@@ -189,6 +190,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
                      "bs": tree["bs"], "w": dflt.w, "d": tree["d"]})
     # the target alone: where a verification batch costs more than the tokens it saves, the fastest
     rows += run({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
+                 "bs": dflt.bs, "w": dflt.w, "d": "auto"})
+    # the target alone verifying prompt-lookup proposals: no draft cost, no draft prefill
+    rows += run({"round": "sweep", "mode": "ngram", "target_cores": devices, "draft_cores": [],
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"})
     best, again = choose_confirmed(rows, lambda r: run({**r, "round": "confirm"})[0], margin)
     rows += again
