@@ -244,11 +244,12 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     fastest with AVX-512 VNNI (run 16: 1.06x ``autoregressive``, where bs 4 with 3 expansions was
     0.95x; run 26, side by side on AMD Zen 5: 1.27x, deeper trees 1.24-1.31x, within the 5 %
     ``swiftspec profile`` asks of a change). With AVX2 alone (no VNNI: a two-row verification
-    costs ~1.15x a one-row step, the draft's forward ~0.35x) it gained 1.04-1.10x on a real
-    AMD Zen 3 (runs 33-37) while ``ngram`` (the target alone verifying prompt-lookup proposals:
-    no draft forward, no draft prefill) measured 1.17x on the same 30 prompts (run 38), so AVX2
-    runs ``ngram``. With the scalar kernel or the kernels off, ``autoregressive``. With dequantized
-    weights (each forward reads 3-6x the bytes, so several nodes cost little more than one)
+    costs ~1.15x a one-row step, the draft's forward ~0.35x) it gained 1.03-1.10x on a real
+    AMD Zen 3 (runs 33-38) while ``ngram`` (the target alone verifying prompt-lookup proposals:
+    no draft forward, no draft prefill) measured 1.16x in the same run on the same 30 prompts
+    (run 38: 1.42x llama.cpp), so AVX2 runs ``ngram``. With the scalar kernel or the kernels
+    off, ``autoregressive``. With dequantized weights (each forward reads 3-6x the bytes, so
+    several nodes cost little more than one)
     ``serial`` on all cores beats ``async`` (runs 6/7), since splitting the bus slows the target
     more than overlapping saves.
 
@@ -304,7 +305,7 @@ SHALLOW_TREE = {"bs": 2, "d": 1}
 # the quantized-GEMM kernels (ops.cpu_dispatch()["quant_gemm"]) with which that mode measured fastest
 SIMD_QUANT_KERNELS = ("avx512_vnni_512", "avx512_vnni", "avx2")
 # ... and those with which the ngram mode measured faster still (AVX2 without VNNI, AMD Zen 3, run 38:
-# 1.17x autoregressive on the 30 prompts, where serial bs 2 measured 1.04-1.10x in runs 33-37)
+# 1.16x autoregressive on the 30 prompts, serial bs 2 with the payback gate 1.03x in the same run)
 NGRAM_QUANT_KERNELS = ("avx2",)
 _TREE_FIELDS = ("bs", "w", "topk", "d")
 

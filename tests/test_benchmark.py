@@ -635,6 +635,63 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
         tables.render({"something": "else"})
 
 
+def test_readme_and_results_quote_run38():
+    """Run 38 (the ngram mode by default on AVX2, a real Zen 3): README's table and the quoted
+    ratios are those of the record; every SwiftSpec request equals the target; the README command's
+    records ran the modes they are quoted for."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def records(name, key="records"):
+        return json.loads((root / "bench" / "results" / name).read_text())[key]
+
+    readme = (root / "README.md").read_text()
+    text = " ".join(readme.split())
+    results = " ".join((root / "bench" / "RESULTS.md").read_text().split())
+    recs = records("run38-zen3-6x5.json")
+    tot = overall(recs)
+    auto, prev = "swiftspec-profiled[auto]", "swiftspec-profiled[serial-bs2-d1-payback]"
+    for system, label in ((auto, "SwiftSpec, default configuration (`mode=\"auto\"`: `ngram`"),
+                          (prev, "SwiftSpec, the previous default"), ("autoregressive", "our `autoregressive`"),
+                          ("llama-cpp", "llama.cpp on the same GGUF"), ("llama-cpp-spec", "llama.cpp speculative")):
+        row = f"| {tot[system]:.2f} | {tot[system] / tot['llama-cpp']:.2f}x |"
+        assert any(line.startswith(f"| {label}") and row in line for line in readme.splitlines()), system
+    assert {r["ran"] for r in recs if r["system"] == auto} == {"ngram"}
+    assert {r["dataset"] for r in recs if r["system"] == prev and r["ran"] == "autoregressive"} == {"sum"}
+    assert all(r["matches_target"] for r in recs if r["system"] in (auto, prev))
+    assert len([r for r in recs if r["system"] in (auto, prev)]) == 60
+
+    def vs_ar(system, dataset):
+        t = overall([r for r in recs if r["dataset"] == dataset])
+        return f"{t[system] / t['autoregressive']:.2f}x"
+
+    ds = ("humaneval", "sum", "gsm8k", "qa", "mt_bench", "alpaca")
+    names = ("HumanEval", "SUM", "GSM8K", "QA", "MT-bench", "alpaca")
+    assert ", ".join(f"{n} {vs_ar(auto, d)}" for n, d in zip(names, ds)) in results
+    assert f"(the previous default: {' / '.join(vs_ar(prev, d) for d in ds)})" in results
+    assert (f"The default mode decodes **{tot[auto] / tot['llama-cpp']:.2f}x llama.cpp** (goal 1.3x: met on this CPU "
+            f"for the first time; runs 33-37: 1.09-1.27x), the previous default {tot[prev] / tot['llama-cpp']:.2f}x, "
+            f"our `autoregressive` {tot['autoregressive'] / tot['llama-cpp']:.2f}x, llama.cpp's speculative mode "
+            f"{tot['llama-cpp-spec'] / tot['llama-cpp']:.2f}x") in results
+    assert (f"(HumanEval {vs_ar(auto, 'humaneval')} our `autoregressive`, summaries {vs_ar(auto, 'sum')}) and loses "
+            f"nothing where it finds no match (alpaca {vs_ar(auto, 'alpaca')})") in text
+    recs2 = records("run38-zen3-6x5-2.json")
+    assert all(r["matches_target"] for r in recs2 if r["system"] in (auto, prev))
+    assert len([r for r in recs2 if r["system"] in (auto, prev)]) == 60
+    tot2 = overall(recs2)
+    vs = [f"{tot2[s] / tot2['llama-cpp']:.2f}x" for s in (auto, prev, "autoregressive")]
+    assert f"a second run right after it: {vs[0]}, {vs[1]} and {vs[2]}," in text
+    assert (f"measured the default mode at {vs[0]} llama.cpp, the previous default at {vs[1]} and our "
+            f"`autoregressive` at {vs[2]}.") in results
+    cmd = {s: [records(f"readme-command-zen3-run38-{s}-{i}.json", "metrics") for i in (1, 2, 3)]
+           for s in ("auto", "serial")}
+    assert {m["mode"] for m in cmd["auto"]} == {"ngram"} and {m["mode"] for m in cmd["serial"]} == {"serial"}
+    tps = {s: " / ".join(f"{m['tokens_per_s']:.2f}" for m in ms) for s, ms in cmd.items()}
+    assert f"decoded {tps['auto']} tokens/s with `ngram` and {tps['serial']} with the previous default" in text
+    assert f"{tps['serial']} tokens/s with the draft" in results and f"{tps['auto']} with `ngram`" in results
+
+
 def test_device_forward_on_cpu_with_random_weights(tmp_path, monkeypatch):
     """bench/device_forward.py (the GPU benchmark's component table) runs on CPU too: the shipped
     configs are the default pair's shapes, a shrunk copy runs here; the record has a time and a

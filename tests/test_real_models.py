@@ -71,10 +71,11 @@ def test_verification_tree_equals_one_token_forwards(pair):
 
 def test_greedy_equals_autoregressive_on_six_datasets(pair):
     """128 greedy tokens per dataset (first prompt, chat template), default configuration (native
-    GGUF weights, kernels on): ``serial`` and ``async`` (the target on one core, the reference on
-    two) give exactly the target's own output, no near-tie allowance: every op of a decode step is
-    batch invariant and thread-count invariant (quantized GEMM, tree attention, RMSNorm). The
-    log-probabilities the target reports (and their alternatives) are bit-identical too."""
+    GGUF weights, kernels on): ``serial``, ``async`` (the target on one core, the reference on
+    two) and ``ngram`` (what ``auto`` runs with the AVX2 kernel) give exactly the target's own
+    output, no near-tie allowance: every op of a decode step is batch invariant and thread-count
+    invariant (quantized GEMM, tree attention, RMSNorm). The log-probabilities the target reports
+    (and their alternatives) are bit-identical too."""
     from swiftspec import Engine, SamplingParams
 
     target, draft = pair
@@ -82,13 +83,15 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair):
     params = SamplingParams(max_tokens=128, logprobs=2)
     outs = {}
     for name, kw in (("autoregressive", dict(mode="autoregressive")), ("serial", dict(mode="serial")),
-                     ("async", dict(mode="async"))):
+                     ("async", dict(mode="async")), ("ngram", dict(mode="ngram"))):
         with Engine(target, draft, **kw) as eng:
             outs[name] = {ds: eng.generate([{"role": "user", "content": p}], params) for ds, p in prompts.items()}
-    for name in ("serial", "async"):
+    # the draft proposes on every dataset; prompt lookup where the answer repeats its context
+    assert max(outs["ngram"][ds].metrics.compression_ratio for ds in DATASETS) > 1.3
+    for name in ("serial", "async", "ngram"):
         for ds in DATASETS:
             a, b = outs["autoregressive"][ds].token_ids, outs[name][ds].token_ids
-            assert outs[name][ds].metrics.compression_ratio > 1.5, (name, ds)
+            assert name == "ngram" or outs[name][ds].metrics.compression_ratio > 1.5, (name, ds)
             assert a == b, f"{name}, {ds}: differs from the target at token {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
             assert outs[name][ds].logprobs == outs["autoregressive"][ds].logprobs, (name, ds)
 
