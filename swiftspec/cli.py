@@ -72,8 +72,9 @@ def _int_list(s: str) -> list[int]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
-            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "max_model_len", "kernels", "cuda_graphs", "pipeline_stages",
-            "pipeline_order", "remote_stages", "master_addr", "master_port", "draft_payback", "draft_sms"]
+            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "max_model_len",
+            "kernels", "cuda_graphs", "pipeline_stages", "pipeline_order", "remote_stages", "master_addr",
+            "master_port", "draft_payback", "draft_sms"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 # the configuration lives in swiftspec.config; its names stay importable from here
 from swiftspec.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, TARGET_ONLY_MODES, WEIGHT_FORMATS,  # noqa: F401
-                              EngineConfig,
-                              _available_cores, choose_mode, cpu_has_bf16)
+                              EngineConfig, _available_cores, choose_mode, cpu_has_bf16)
 from swiftspec.detokenize import IncrementalText
 from swiftspec.metrics import RequestMetrics
 from swiftspec.placement import Group, PlacementError, plan_groups
