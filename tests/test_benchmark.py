@@ -261,7 +261,7 @@ def test_profile_confirms_a_sweep_winner_against_the_defaults():
 
 def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, capsys, monkeypatch):
     """`swiftspec profile` measures the split, the shared (serial) allocation (default, shallow and
-    middle tree) and the target alone,
+    middle tree) and the target alone (autoregressive and ngram),
     prints every candidate, writes a configuration the engine runs with the target's own greedy
     output, and stores its mode for mode="auto" on this machine and pair."""
     from swiftspec import machine_profile
@@ -284,10 +284,10 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
     assert modes.count("async") == 3 and modes.count("serial") == 5, printed
     serial = [line.split("|")[5:8] for line in rows if "| serial |" in line]
     assert [" 2 ", " 2 ", " 1 "] in serial and [" 4 ", " 2 ", " 2 "] in serial, printed
-    assert modes.count("autoregressive") == 1, printed
+    assert modes.count("autoregressive") == 1 and modes.count("ngram") == 1, printed
     assert printed.count("**chosen**") == 1 and "chosen: " in printed
     cfg = EngineConfig.from_json(out)
-    assert cfg.mode in ("async", "serial", "autoregressive") and cfg.dtype == "float32"
+    assert cfg.mode in ("async", "serial", "autoregressive", "ngram") and cfg.dtype == "float32"
     assert json.loads(out.read_text())["_measured"]["tokens_per_s"] > 0
     # stored for mode=auto on this machine and pair (in this test's cache)
     with Engine(tiny_dir, tiny_draft_dir, dtype="float32") as eng:
