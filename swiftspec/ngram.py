@@ -45,7 +45,7 @@ class NgramParams:
 class NgramProposer:
     """The n-gram index of one request's text and its proposals.
 
-    ``index[n - min_n]`` maps each n-gram of the text (a tuple of ``n`` token ids) to the position
+    ``index[n]`` maps each n-gram of the text (a tuple of ``n`` token ids) to the position
     right after its most recent occurrence that has a following token, so a lookup of the text's
     own suffix finds an earlier occurrence, never itself.
     """
@@ -53,17 +53,17 @@ class NgramProposer:
     def __init__(self, params: NgramParams, prompt_ids: list[int]):
         self.params = params
         self.text: list[int] = []
-        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(params.min_n, params.max_n + 1)]
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(params.min_n, params.max_n + 1)}
         self.extend(prompt_ids)
 
     def extend(self, tokens: list[int]) -> None:
         """Append verified tokens to the text (each indexed as the follower of the n-grams before it)."""
-        p, text = self.params, self.text
+        text = self.text
         for tok in tokens:
             j = len(text)
-            for k, n in enumerate(range(p.min_n, p.max_n + 1)):
+            for n, grams in self.index.items():
                 if j >= n:
-                    self.index[k][tuple(text[j - n:j])] = j
+                    grams[tuple(text[j - n:j])] = j
             text.append(int(tok))
 
     def propose(self) -> list[int]:
@@ -71,7 +71,7 @@ class NgramProposer:
         ``n`` tokens (``max_n`` down to ``min_n``); [] where none of them occurred before."""
         p, text = self.params, self.text
         for n in range(min(p.max_n, len(text)), p.min_n - 1, -1):
-            start = self.index[n - p.min_n].get(tuple(text[len(text) - n:]))
+            start = self.index[n].get(tuple(text[len(text) - n:]))
             if start is not None:
                 return text[start:start + p.tokens]
         return []

@@ -7,6 +7,13 @@ from swiftspec.benchmark.e2e import (InsufficientMemoryError, bar_chart, check_m
                                      overall, summarize, weight_bytes)
 
 
+def _committed(name: str, key: str = "records"):
+    """A field of a committed benchmark record under bench/results/."""
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / name).read_text())[key]
+
+
 def _rec(system, ds, tps, cr=1.0, match=True):
     n = 65
     return {"system": system, "dataset": ds, "num_tokens": n, "decode_s": (n - 1) / tps, "tokens_per_s": tps,
@@ -460,8 +467,7 @@ def test_every_committed_record_renders_and_the_readme_quotes_run13():
     # run 26: the AVX2 build's ratios the README quotes, from their records
     from swiftspec.benchmark.e2e import overall
 
-    def records(name, key="records"):
-        return json.loads((root / "bench" / "results" / name).read_text())[key]
+    records = _committed
 
     def ratio(name, system, ref, dataset=None):
         tot = overall([r for r in records(name) if dataset is None or r["dataset"] == dataset])
@@ -643,9 +649,7 @@ def test_readme_and_results_quote_run38():
 
     root = Path(__file__).resolve().parents[1]
 
-    def records(name, key="records"):
-        return json.loads((root / "bench" / "results" / name).read_text())[key]
-
+    records = _committed
     readme = (root / "README.md").read_text()
     text = " ".join(readme.split())
     results = " ".join((root / "bench" / "RESULTS.md").read_text().split())
