@@ -10,12 +10,16 @@ replay (:class:`swiftspec.graphs.PaddedStep`, the LM head outside the graph; its
 cache's ``--capacity`` slots, as the engine's, and the slots in use passed on the device; with a
 capacity beyond the context also a replay without that bound, ``graph_unbounded_s``, the attention
 then split over the whole capacity). Each time is set
-against the weight bytes one forward reads over the device's read bandwidth: on CUDA a
-device-to-device copy's bytes read plus written, halved, over its time (the "HBM limit"); on CPU
-the best of 5 ``torch.sum`` passes over 1 GiB with the forward's thread count (as
-bench/native_forward.py). Medians of ``--rounds`` steps, after warm-up.
+against the weight bytes one forward reads over the device's read bandwidth, measured in the
+same run by a read-only reduction (:func:`swiftspec.benchmark.memory.read_bandwidth`: on CUDA the
+best of 10 bf16 ``torch.sum`` passes over 4 GiB; on CPU over 1 GiB fp32 with the forward's thread
+count, as bench/native_forward.py); on CUDA the spec sheet's figure and a device-to-device copy's
+rate (the limit of older records) are recorded beside it. ``vs_one_row``: a row count's best time
+over the model's one-row time (r, the verification's cost in steps). Medians of ``--rounds``
+steps, after warm-up.
 
     python bench/device_forward.py --device cuda --out results.json
+    python bench/device_forward.py --device cuda --models qwen2.5-14b-instruct qwen2.5-coder-0.5b-instruct
     python bench/device_forward.py --device cpu --dtype float32 --rows 1 2 \
         --models swiftspec/data/model_configs/qwen2.5-coder-0.5b-instruct.json
 """
@@ -30,20 +34,20 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
-from swiftspec.random_weights import DEFAULT_CONFIGS
+from swiftspec.benchmark.memory import copy_bandwidth, read_bandwidth, spec_sheet_bandwidth, weight_read_bytes
+from swiftspec.random_weights import DEFAULT_CONFIGS, packaged_config
 
 DEFAULT_MODELS = list(DEFAULT_CONFIGS)
 
 
 def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Our model of ``config``'s shapes with random weights, on ``device``: the checkpoint
-    :func:`swiftspec.random_weights.materialize` writes (the one ``swiftspec bench
-    --random-weights`` runs), loaded as the engine loads it."""
+    """Our model of ``config``'s shapes with random weights made on ``device`` (the recipe
+    :func:`swiftspec.random_weights.materialize` writes, the one ``swiftspec bench --random-weights``
+    runs), loaded as the engine loads it."""
     from swiftspec.models.llama import load_model
     from swiftspec.random_weights import materialize
 
-    model_dir = materialize(config, str(dtype).removeprefix("torch."), progress=False)
+    model_dir = materialize(config, str(dtype).removeprefix("torch."))
     return load_model(model_dir, dtype=dtype, max_positions=max_positions, device=device).eval()
 
 
@@ -129,7 +133,8 @@ def kernel_profile(model, device: torch.device, rows: int, context: int, vocab: 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", type=Path, default=DEFAULT_MODELS, help="config.json files of the shapes")
+    ap.add_argument("--models", nargs="+", type=packaged_config, default=DEFAULT_MODELS,
+                    help="config.json files of the shapes, or names of shipped ones (swiftspec/data/model_configs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
@@ -155,17 +160,25 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     capacity = max(args.capacity or 0, args.context + max(args.rows))
     bw = read_bandwidth(device, threads)
-    print(f"{device}: read bandwidth {bw / 1e9:.1f} GB/s ({'d2d copy' if device.type == 'cuda' else 'torch.sum'})",
-          flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    spec = spec_sheet_bandwidth(name)
+    copy = copy_bandwidth(device) if device.type == "cuda" else None
+    print(f"{device}: read bandwidth {bw / 1e9:.1f} GB/s (read-only torch.sum)"
+          + (f", spec sheet {spec / 1e9:.0f} GB/s" if spec else "")
+          + (f", d2d copy {copy / 1e9:.1f} GB/s" if copy else ""), flush=True)
     results, profiles = [], []
     for i, config in enumerate(args.models):
         vocab = args.logits_vocab[i] if args.logits_vocab and i < len(args.logits_vocab) else None
         model = random_model(config, dtype, device, capacity + 64)
         nbytes = weight_read_bytes(model, vocab)
         limit = nbytes / bw
+        one_row = None
         for rec in time_model(model, device, args.rows, args.context, args.rounds, graphs, vocab, capacity):
             best = min(rec["eager_s"], rec.get("graph_s", float("inf")))
-            rec.update(model=config.stem, weight_bytes=nbytes, limit_s=limit, of_limit=limit / best)
+            one_row = best if rec["rows"] == 1 else one_row
+            rec.update(model=config.stem, weight_bytes=nbytes, limit_s=limit, of_limit=limit / best,
+                       **({"of_spec_sheet": nbytes / spec / best} if spec else {}),
+                       **({"vs_one_row": best / one_row} if one_row else {}))
             results.append(rec)
             graph = f"{rec['graph_s'] * 1e3:8.3f} ms graph" if "graph_s" in rec else ""
             if "graph_unbounded_s" in rec:
@@ -186,8 +199,9 @@ def main(argv=None) -> dict:
 
     record = {"command": "python bench/device_forward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               **machine_record(cpu_kernels=device.type != "cuda"), "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "dtype": args.dtype, "context": args.context, "threads": threads, "bandwidth_gb_s": bw / 1e9,
+              "device_name": name, "dtype": args.dtype, "context": args.context, "threads": threads,
+              "bandwidth_gb_s": bw / 1e9, "bandwidth_method": "read-only torch.sum (best of 10)",
+              "spec_sheet_gb_s": spec / 1e9 if spec else None, "copy_gb_s": copy / 1e9 if copy else None,
               "rows": results, "profiles": profiles}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

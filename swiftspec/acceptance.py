@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,6 +85,23 @@ class Replay:
         i = root_index + len(path) + 1  # index of the children's tokens
         row = self.logprobs[i] if on_path and i < len(self.logprobs) else self.profile
         return (list(row) + [-math.inf] * k)[:k]
+
+    def degraded(self, p: float, seed: int) -> "Replay":
+        """This replay as a pair that agrees less: each recorded rank after the prefill's moves one
+        down (rank r -> r + 1, past ``RANKS_K - 1``: absent) with probability ``p``, independently,
+        from ``random.Random(seed)``; log-probabilities (the tree's shape) unchanged. ``p`` 0 gives
+        ``self``. The GPU benchmarks' stand-in for a larger target that agrees less with the draft
+        than the recorded pair. Raises ValueError for ``p`` outside [0, 1]."""
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"the degradation probability must be in [0, 1], got {p}")
+        if p == 0.0:
+            return self
+        rng = random.Random(seed)
+        ranks = list(self.ranks[:1])
+        for r in self.ranks[1:]:
+            moved = rng.random() < p  # drawn for every position, so the draws do not depend on the ranks
+            ranks.append(r if r is None or not moved else (r + 1 if r + 1 < RANKS_K else None))
+        return replace(self, ranks=tuple(ranks))
 
     @classmethod
     def of(cls, doc: dict, entry: dict, n: int | None = None) -> "Replay":

@@ -253,12 +253,13 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     ``serial`` on all cores beats ``async`` (runs 6/7), since splitting the bus slows the target
     more than overlapping saves.
 
-    On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) the CPU profile and rule do not
-    apply: with two GPUs or more ``async`` (one group per GPU set, the paper's layout; not yet run
-    on hardware); on one GPU ``autoregressive``, measured fastest there (run 32, an H100, the
-    default pair's shapes and recorded acceptance: ``serial`` 0.62x and ``colocated`` 0.58x of
-    ``autoregressive``: a draft forward costs 0.67x a target step, and about three of them precede
-    each verification); ``colocated`` and ``serial`` run when asked for.
+    On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) a stored profile decides as on the
+    CPU (its machine id names the GPU, so a CPU profile never applies there; ``swiftspec profile``
+    measures the GPU layouts, ``colocated`` included); the CPU rule does not apply. Without a
+    profile: with two GPUs or more ``async`` (one group per GPU set, the paper's layout); on one
+    GPU ``autoregressive``, since with the default pair's shapes a draft forward costs about two
+    thirds of a target step and no compression the pair reaches pays for it (docs/gpu.md, records
+    ``bench/results/gpu-*``); ``colocated`` and ``serial`` run when asked for.
 
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
@@ -269,16 +270,17 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     if config.pipeline_stages > 1:
         return "pipedec", f"auto: {config.pipeline_stages} pipeline stages", {}
     own = _user_tree(config)
-    if gpus:
-        if gpus >= 2:
-            return "async", f"auto: {gpus} GPUs, a draft group and a target group", {}
-        return "autoregressive", ("auto: one GPU, where serial and colocated measured 0.62x / 0.58x autoregressive "
-                                  "(an H100: a draft forward costs 0.67x a target step)"), {}
     if profiled is not None and profiled.get("mode") in MODES:
         measured = profiled.get("_measured") or {}
         tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}
         return profiled["mode"], (f"auto: swiftspec profile of {measured.get('date', '?')} measured it fastest "
                                   f"on this machine and model pair ({measured.get('tokens_per_s', 0):.2f} tokens/s)"), tree
+    if gpus:
+        if gpus >= 2:
+            return "async", f"auto: {gpus} GPUs, a draft group and a target group (run `swiftspec profile` to measure)", {}
+        return "autoregressive", ("auto: one GPU and no `swiftspec profile` of this pair on it yet; on the default "
+                                  "pair's shapes a draft forward costs about two thirds of a target step, where no "
+                                  "speculation pays (docs/gpu.md)"), {}
     nodes, cores = _numa_nodes(), len(_available_cores())
     if nodes >= 2 and cores >= 2:
         return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}

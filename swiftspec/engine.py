@@ -174,7 +174,7 @@ class Engine:
             draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
             profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
         mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
-                                                   None if gpus else profiled, gpus)
+                                                   profiled, gpus)
         if config.draft_sms is not None and mode != "colocated":
             raise ValueError(f"draft_sms={config.draft_sms} splits one GPU between the colocated mode's two models, "
                              f"but mode={config.mode!r} runs {mode!r} here ({self.mode_reason}): set mode='colocated'")

@@ -10,7 +10,8 @@ the quantized kernels' block formats). :func:`resolve_model` produces such direc
   (:mod:`swiftspec.default_pair`);
 * any GGUF file of the ``llama`` or ``qwen2`` architecture (:mod:`swiftspec.gguf_convert`);
 * an AWQ int4 checkpoint directory (autoawq's GEMM layout, :mod:`swiftspec.awq`);
-* a plain HF directory, used as it is.
+* a plain HF directory, used as it is; also a random-weights recipe directory (config and
+  tokenizer, the weights made on the device at load: :mod:`swiftspec.random_weights`).
 
 Conversions are cached atomically (:mod:`swiftspec.model_cache`).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from swiftspec.default_pair import DRAFT_NAME, TARGET_NAME, default_gguf_paths, fetch_default_pair
 from swiftspec.gguf_convert import convert_gguf
 from swiftspec.model_cache import NATIVE_FILE, ModelLoadError, cache_root, default_cache_dir, is_complete, source_fingerprint
+from swiftspec.random_weights import RECIPE_FILE
 
 __all__ = [
     "ModelLoadError",
@@ -55,8 +57,8 @@ def _hf_config(path: Path) -> dict:
         raise ModelLoadError(f"{cfg} does not parse as JSON: {exc}") from exc
     if not isinstance(parsed, dict):
         raise ModelLoadError(f"{cfg} is not a JSON object")
-    if not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{path} has config.json but no *.safetensors weights")
+    if not any(path.glob("*.safetensors")) and not (path / RECIPE_FILE).is_file():
+        raise ModelLoadError(f"{path} has config.json but no *.safetensors weights (nor a random-weights recipe)")
     qc = parsed.get("quantization_config") or {}
     if qc and str(qc.get("quant_method", "")).lower() != "awq":
         raise ModelLoadError(f"{path}: quantization method {qc.get('quant_method')!r} is not supported "

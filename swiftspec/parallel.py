@@ -105,14 +105,14 @@ def take_shard(src: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor
     a zero slice): a view where ``index`` is one contiguous range, else a new tensor."""
     n = index.numel()
     start = int(index[0]) if n else 0
-    if n and start >= 0 and torch.equal(index, torch.arange(start, start + n)):
+    if n and start >= 0 and torch.equal(index, torch.arange(start, start + n, device=index.device)):
         return src.narrow(dim, start, n)  # the unpadded Megatron case: one contiguous slice
     shape = list(src.shape)
     shape[dim] = n
     out = src.new_zeros(shape)
     keep = (index >= 0).nonzero().squeeze(1)
     if keep.numel():
-        out.index_copy_(dim, keep, src.index_select(dim, index[keep]))
+        out.index_copy_(dim, keep.to(src.device), src.index_select(dim, index[keep].to(src.device)))
     return out
 
 

@@ -163,38 +163,6 @@ def _tiny_config(tmp_path, **kw):
     return path
 
 
-def test_random_weights_directory_is_deterministic_cached_and_loads_everywhere(tmp_path):
-    """Our loader and transformers read the same weights (equal logits); the same config, seed
-    and dtype give the same bytes in another cache, and the cache is reused."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from swiftspec.models.llama import load_model
-    from swiftspec.random_weights import materialize
-
-    cfg = _tiny_config(tmp_path)
-    a = materialize(cfg, "float32", cache_dir=tmp_path / "c1", progress=False)
-    b = materialize(cfg, "float32", cache_dir=tmp_path / "c2", progress=False)
-    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    assert materialize(cfg, "float32", cache_dir=tmp_path / "c1", progress=False) == a
-    assert materialize(cfg, "float32", seed=1, cache_dir=tmp_path / "c1", progress=False) != a
-    tok = AutoTokenizer.from_pretrained(str(a))
-    assert len(tok) == 300 and tok.eos_token_id == 299
-    ids = torch.tensor([[1, 5, 9, 200]])
-    hf = AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32).eval()
-    ours = load_model(a, dtype=torch.float32, max_positions=64)
-    kv = ours.make_kv_cache(16, torch.device("cpu"))
-    pos = torch.arange(4)
-    with torch.no_grad():
-        want = hf(ids).logits[0]
-        got = ours.compute_logits(ours(ids[0], pos, pos, torch.ones(4, 4, dtype=torch.bool).tril(), kv))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="model_type"):
-        (tmp_path / "x.json").write_text("{}")
-        materialize(tmp_path / "x.json", cache_dir=tmp_path / "c1")
-    with pytest.raises(FileNotFoundError):
-        materialize(tmp_path / "none.json", cache_dir=tmp_path / "c1")
-
-
 def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_draft_dir, tmp_path, monkeypatch):
     """`swiftspec bench --record-trace` on a pair, then `--random-weights --acceptance` on models of
     other shapes: every system generates the trace's token count, equality is "n/a" (the tokens
@@ -215,10 +183,18 @@ def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_d
     cfg = _tiny_config(tmp_path)
     out = tmp_path / "out"
     assert main(["--random-weights", "--acceptance", str(trace), "--target-config", str(cfg), "--draft-config",
-                 str(cfg), "--systems", "autoregressive", "swiftspec-serial", "hf", "--out", str(out),
-                 *[a for a in common if a != "--json"]]) == 0
+                 str(cfg), "--systems", "autoregressive", "swiftspec-serial", "hf", "--degrade", "0", "1",
+                 "--out", str(out), *[a for a in common if a != "--json"]]) == 0
     recs = json.loads((out / "e2e.json").read_text())["records"]
+    # p = 1 runs the one system that replays a draft's acceptance, again on the loaded engine
+    degraded = [r for r in recs if r["degrade_p"] == 1]
+    assert {r["system"] for r in degraded} == {"swiftspec-serial[p=1]"} and len(degraded) == 2
+    recs = [r for r in recs if r["degrade_p"] == 0]
     assert len(recs) == 6 and all(r["replayed"] and r["matches_target"] is None for r in recs)
+    # every rank one down: no longer the recorded pair's acceptance, and never more of it
+    for r in degraded:
+        same = next(x for x in recs if x["system"] == "swiftspec-serial" and x["dataset"] == r["dataset"])
+        assert r["num_tokens"] == same["num_tokens"] and r["compression_ratio"] <= same["compression_ratio"]
     by = {(r["system"], r["dataset"]): r for r in recs}
     for p in doc["prompts"]:
         assert all(by[(s, p["dataset"])]["num_tokens"] == len(p["tokens"]) for s in ("autoregressive", "hf",
@@ -226,6 +202,7 @@ def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_d
     assert "acceptance replayed from trace.json" in (out / "e2e.md").read_text()
     assert "| n/a |" in (out / "e2e.md").read_text()
     for bad in (["--random-weights", "--systems", "hf-assisted"], ["--acceptance", str(trace)],
-                ["--random-weights", "--record-trace", str(trace)], ["--record-trace", str(trace), "--systems", "hf"]):
+                ["--random-weights", "--record-trace", str(trace)], ["--record-trace", str(trace), "--systems", "hf"],
+                ["--degrade", "0.3"], ["--random-weights", "--degrade", "1.5"], ["--random-weights", "--degrade", "0", "0"]):
         with pytest.raises(ValueError):
             main([*bad, *common])

@@ -111,9 +111,13 @@ def test_plan_groups_cuda():
 def test_auto_mode_on_gpus():
     auto = engine.EngineConfig()
     assert engine.choose_mode(auto, True, None, gpus=2)[0] == "async"
-    # one GPU: autoregressive, measured fastest there (run 27); the CPU profile does not apply
-    mode, why, tree = engine.choose_mode(auto, True, {"mode": "async"}, gpus=1)
-    assert mode == "autoregressive" and "one GPU" in why and "0.62x" in why and tree == {}
+    # one GPU without a profile of it: the target alone, and the reason says how to measure
+    mode, why, tree = engine.choose_mode(auto, True, None, gpus=1)
+    assert mode == "autoregressive" and "one GPU" in why and "swiftspec profile" in why and tree == {}
+    # a profile measured on this GPU (its machine id names the GPU) decides, tree shape included
+    stored = {"mode": "colocated", "bs": 4, "d": 2, "_measured": {"tokens_per_s": 99.0, "date": "today"}}
+    mode, why, tree = engine.choose_mode(auto, True, stored, gpus=1)
+    assert (mode, tree) == ("colocated", {"bs": 4, "d": 2}) and "measured it fastest" in why
     assert engine.choose_mode(engine.EngineConfig(mode="colocated"), True, None, gpus=1)[0] == "colocated"
     assert engine.choose_mode(engine.EngineConfig(mode="async"), True, None, gpus=1)[0] == "async"
 

@@ -14,7 +14,11 @@ proposing chains of 4 tokens).
 the same engines with the compiled kernels off (PyTorch ops and gloo only): the kernel ablation.
 
 Every system is started once; prompts are interleaved (prompt i runs on every system before
-prompt i+1) and never run concurrently, so all systems see the same machine state. Greedy
+prompt i+1) and never run concurrently, so all systems see the same machine state. With
+``--random-weights`` (large shapes on one GPU) one system is resident at a time instead: each
+is loaded, runs every prompt (once per ``--degrade`` value where it replays a draft's
+acceptance), and is freed before the next loads; the memory check then asks for the largest
+system's weights, on the GPU in a CUDA run. Greedy
 decoding; ``matches_target`` says whether a system's tokens equal the ``autoregressive`` ones
 (same weights and dtype; peers with their own numerics may differ at near-ties), for an engine
 whose target runs at TP > 1 those of an autoregressive engine at that TP degree if one ran
@@ -173,9 +177,15 @@ class InsufficientMemoryError(ValueError):
 
 def _param_count(model_dir, skip: frozenset = frozenset()) -> int:
     """Parameters of a model directory's safetensors files, tensors named in ``skip`` left out
-    (headers only; nothing is loaded)."""
+    (headers only; nothing is loaded); of a random-weights recipe, from its shapes."""
     from safetensors import safe_open
 
+    from swiftspec import random_weights
+
+    if random_weights.recipe(model_dir) is not None:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return sum(math.prod(shape) for _, name, shape in random_weights.checkpoint_entries(config)
+                   if name not in skip)
     n = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -219,8 +229,13 @@ def weight_bytes(systems: list[str], target_dir, draft_dir, dtype: str) -> dict[
     return out
 
 
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo, or None where there is no such file."""
+def available_memory_bytes(device: str = "cpu") -> int | None:
+    """Memory the systems' weights can take: on ``"cuda"`` the current GPU's free bytes
+    (``torch.cuda.mem_get_info``), else ``MemAvailable`` from /proc/meminfo; None where unknown."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -230,21 +245,28 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_memory(need: dict[str, int], available: int | None) -> None:
-    """Refuse a run whose systems cannot all be resident at once, before anything is loaded.
+def check_memory(need: dict[str, int], available: int | None, together: bool = True, where: str = "cpu") -> None:
+    """Refuse a run whose systems cannot be resident, before anything is loaded.
 
-    Every system of a run stays loaded for the whole run (prompts are interleaved), so their
-    weights add up; past the machine's memory the kernel's OOM killer would end the run with no
-    message and no results. Raises :class:`InsufficientMemoryError` naming each system's share.
+    ``together``: every system stays loaded for the whole run (prompts interleaved), so their
+    weights add up; else one system is resident at a time and the largest must fit. Past the
+    memory the run would end in the OOM killer (host) or an out-of-memory error mid-load (GPU),
+    with no results. ``where``: the device whose memory ``available`` is, named in the message.
+    Raises :class:`InsufficientMemoryError` naming each system's share.
     """
-    total = sum(need.values())
+    total = sum(need.values()) if together else max(need.values(), default=0)
     if available is None or total <= available:
         return
     parts = ", ".join(f"{s} {b / 2**30:.1f}" for s, b in need.items())
+    memory = "GPU memory is free" if where == "cuda" else "memory is available"
+    if together:
+        raise InsufficientMemoryError(
+            f"these systems keep about {total / 2**30:.1f} GiB of weights loaded together ({parts} GiB) but "
+            f"only {available / 2**30:.1f} GiB of {memory}: run fewer systems per invocation "
+            f"(keep autoregressive in each run for the equality column) or use a smaller dtype")
     raise InsufficientMemoryError(
-        f"these systems keep about {total / 2**30:.1f} GiB of weights loaded together ({parts} GiB) but "
-        f"only {available / 2**30:.1f} GiB of memory is available: run fewer systems per invocation "
-        f"(keep autoregressive in each run for the equality column) or use a smaller dtype")
+        f"the largest system needs about {total / 2**30:.1f} GiB of weights ({parts} GiB) but only "
+        f"{available / 2**30:.1f} GiB of {memory}: use smaller shapes or a larger device")
 
 
 def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int], args, n_ctx: int = 4096,
@@ -424,8 +446,6 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from tqdm import tqdm
-
     import torch
 
     from swiftspec.engine import cpu_has_bf16
@@ -457,48 +477,94 @@ def run(args: argparse.Namespace) -> list[dict]:
                                               tokenize=True)
                 prompts.append((ds, list(ids["input_ids"] if hasattr(ids, "keys") else ids), args.max_tokens, None))
     to_start = expand_systems(args.systems, args.config)
-    check_memory(weight_bytes([s for s, _ in to_start], target_dir, draft_dir, dtype), available_memory_bytes())
-    systems = {}
+    # random weights (large shapes on one GPU): one system resident at a time, each freed before the next
+    alone = bool(args.random_weights)
+    check_memory(weight_bytes([s for s, _ in to_start], target_dir, draft_dir, dtype),
+                 available_memory_bytes(args.device), together=not alone, where=args.device)
+    degrade = getattr(args, "degrade", [0.0]) if args.random_weights else [0.0]
+    started: dict = {}  # every system started (closed ones kept for their shape)
+    outs: dict[tuple[float, int], dict] = {}  # (p, prompt index) -> {system: (tokens, metrics)}
+    n_ctx = max(len(ids) + n for _, ids, n, _ in prompts) + 16
+    for group in ([[x] for x in to_start] if alone else [to_start]):
+        live: dict = {}
+        try:
+            for s, config in group:
+                live[s] = started[s] = start_system(s, target_dir, draft_dir, dtype, cores, args,
+                                                    -(-n_ctx // 256) * 256, config)
+            _run_prompts(live, prompts, eos, degrade, outs)
+        finally:
+            for sysm in live.values():
+                sysm.close()
+            _free_device_memory(args.device)
     records: list[dict] = []
     targets: list[tuple[str, list[int], list[int]]] = []  # (dataset, prompt, the target's tokens) for the trace
-    try:
-        n_ctx = max(len(ids) + n for _, ids, n, _ in prompts) + 16
-        for s, config in to_start:
-            systems[s] = start_system(s, target_dir, draft_dir, dtype, cores, args, -(-n_ctx // 256) * 256, config)
-        for ds, ids, max_tokens, ranks in tqdm(prompts, desc="prompts", file=sys.stderr):
-            outs = {}
-            for s, sysm in list(systems.items()):
-                try:
-                    if ranks is None:
-                        outs[s] = sysm.generate(ids, max_tokens, eos)
-                    elif isinstance(sysm, EngineSystem):  # random weights: EOS ignored, acceptance replayed
-                        outs[s] = sysm.generate(ids, max_tokens, ignore_eos=True, replay=ranks)
-                    else:
-                        outs[s] = sysm.generate(ids, max_tokens, ignore_eos=True)
-                except Exception as e:  # one failing system must not cost the others' records
-                    print(f"swiftspec bench: {s} failed on a {ds} prompt ({len(ids)} tokens) and is dropped from "
-                          f"the remaining prompts: {type(e).__name__}: {e}", file=sys.stderr)
-                    systems.pop(s).close()
-            if args.record_trace and "autoregressive" in outs:
-                targets.append((ds, ids, outs["autoregressive"][0]))
-            for s, (toks, m) in outs.items():
-                ref = None if ranks is not None else reference_system(s, systems, outs)  # replayed: not the target's
-                records.append({"system": s, "dataset": ds, "dtype": dtype, "device": args.device,
-                                "replayed": ranks is not None, "num_tokens": m.num_tokens,
-                                "decode_s": m.decode_s, "tokens_per_s": m.tokens_per_s,
-                                "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
-                                "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
-                                "matches_target": None if ref is None else toks == outs[ref][0],
-                                "reference": ref, "ran": m.mode,
-                                "draft_stalls": m.draft.get("stall_expansions"),
-                                "target_wait_s": m.target.get("wait_s"), **_busy_record(m), **_pipeline_record(m),
-                                **({"engine": systems[s].shape} if isinstance(systems.get(s), EngineSystem) else {})})
-    finally:
-        for sysm in systems.values():
-            sysm.close()
+    for (p, i), by_system in sorted(outs.items()):
+        ds, ids, _, ranks = prompts[i]
+        if args.record_trace and "autoregressive" in by_system:
+            targets.append((ds, ids, by_system["autoregressive"][0]))
+        for s, (toks, m) in by_system.items():
+            ref = None if ranks is not None else reference_system(s, started, by_system)  # replayed: not the target's
+            records.append({"system": s if p == 0 else f"{s}[p={p:g}]", "dataset": ds, "dtype": dtype,
+                            "device": args.device, "replayed": ranks is not None,
+                            **({"degrade_p": p} if ranks is not None else {}), "num_tokens": m.num_tokens,
+                            "decode_s": m.decode_s, "tokens_per_s": m.tokens_per_s,
+                            "compression_ratio": m.compression_ratio, "ttft_s": m.ttft_s,
+                            "tbt_mean_s": m.tbt_mean_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s,
+                            "matches_target": None if ref is None else toks == by_system[ref][0],
+                            "reference": ref, "ran": m.mode,
+                            "draft_stalls": m.draft.get("stall_expansions"),
+                            "target_wait_s": m.target.get("wait_s"), **_busy_record(m), **_pipeline_record(m),
+                            **({"engine": started[s].shape} if isinstance(started.get(s), EngineSystem) else {})})
     if args.record_trace:
         replay.record_trace(args, targets, target_dir, draft_dir, dtype, machine_record())
     return records
+
+
+def _uses_draft(sysm) -> bool:
+    """Whether a system's speed depends on the replayed acceptance: an engine whose mode verifies
+    a draft's tree (not the target-only modes, not the peers)."""
+    from swiftspec.config import TARGET_ONLY_MODES
+
+    return isinstance(sysm, EngineSystem) and sysm.shape["mode"] not in TARGET_ONLY_MODES
+
+
+def _run_prompts(live: dict, prompts: list[tuple], eos: list[int], degrade: list[float], outs: dict) -> None:
+    """Every prompt on every loaded system, prompt by prompt (prompt i on each system before prompt
+    i + 1), once per degradation ``p`` (``p`` > 0: only the systems that replay a draft's
+    acceptance, :func:`_uses_draft`). Results go to ``outs[(p, prompt index)][system]``. A system
+    that fails is closed and dropped from the remaining prompts; the others go on."""
+    from tqdm import tqdm
+
+    for p in degrade:
+        for i, (ds, ids, max_tokens, ranks) in enumerate(tqdm(prompts, desc="prompts" if p == 0 else f"prompts, p={p:g}",
+                                                              file=sys.stderr)):
+            for s, sysm in list(live.items()):
+                if p > 0 and not _uses_draft(sysm):
+                    continue
+                try:
+                    if ranks is None:
+                        out = sysm.generate(ids, max_tokens, eos)
+                    elif isinstance(sysm, EngineSystem):  # random weights: EOS ignored, acceptance replayed
+                        out = sysm.generate(ids, max_tokens, ignore_eos=True, replay=ranks.degraded(p, seed=i))
+                    else:
+                        out = sysm.generate(ids, max_tokens, ignore_eos=True)
+                except Exception as e:  # one failing system must not cost the others' records
+                    print(f"swiftspec bench: {s} failed on a {ds} prompt ({len(ids)} tokens) and is dropped from "
+                          f"the remaining prompts: {type(e).__name__}: {e}", file=sys.stderr)
+                    live.pop(s).close()
+                    continue
+                outs.setdefault((p, i), {})[s] = out
+
+
+def _free_device_memory(device: str) -> None:
+    """Return a closed in-process system's GPU memory (the transformers peers live in this process)."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _busy_record(m) -> dict:

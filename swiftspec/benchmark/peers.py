@@ -43,6 +43,22 @@ class _Stamps:
         pass
 
 
+def hf_model(model_dir, dtype: torch.dtype, device: torch.device):
+    """transformers' model of ``model_dir`` on ``device`` in eval mode: loaded from its weights, or
+    for a random-weights recipe (:mod:`swiftspec.random_weights`) built on the device and filled
+    with the recipe's bytes (the same our loader makes there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swiftspec import random_weights
+
+    if random_weights.recipe(model_dir) is None:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype)
+    random_weights.fill_hf_model(model, model_dir)
+    return model.eval()
+
+
 class HFPeer:
     """transformers ``generate`` (greedy), optionally with an assistant (draft) model."""
 
@@ -50,16 +66,14 @@ class HFPeer:
                  device: str = "cpu", compiled: bool = False, max_cache_len: int = 4096):
         """``compiled``: static cache of ``max_cache_len`` tokens (prompt + generated, every call)
         and the decode step compiled (see the module docstring); one warm-up generation here."""
-        from transformers import AutoModelForCausalLM
-
         if threads:
             torch.set_num_threads(threads)
         dt = getattr(torch, dtype)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dt).to(self.device).eval()
+        self.model = hf_model(target_dir, dt, self.device)
         self.assistant = None
         if draft_dir is not None:
-            self.assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dt).to(self.device).eval()
+            self.assistant = hf_model(draft_dir, dt, self.device)
         self.forwards = 0
         self.model.register_forward_hook(self._count)
         self.system = "hf-assisted" if draft_dir is not None else "hf-compile" if compiled else "hf"

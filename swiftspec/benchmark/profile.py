@@ -24,6 +24,11 @@ percent, and a winner by noise does worse than the defaults on prompts the profi
 both in the sweep and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
 The chosen mode is also stored for ``mode="auto"`` on this machine and model pair
 (:mod:`swiftspec.machine_profile`).
+
+On a machine where the engine runs on CUDA the same measurement decides between the GPU layouts:
+``async`` splits of the GPUs (two or more), ``serial``, ``colocated`` with and without an SM
+partition for the draft (a quarter of the SMs), ``autoregressive`` and ``ngram`` (docs/gpu.md
+gives the arithmetic of when speculation pays there).
 """
 from __future__ import annotations
 
@@ -144,15 +149,21 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     devices = devices or sorted(os.sched_getaffinity(0))
     dflt = EngineConfig()
     shapes = [(dflt.bs, dflt.w)] + ([s for s in SWEEP_SHAPES if s != (dflt.bs, dflt.w)] if sweep else [])
-    splits = candidate_splits(devices, gpu=False)
-    n_draft = max(1, len(devices) // 4)  # the engine's default split
+    gpus, sms = _cuda_devices()
+    # async splits: of the GPUs where the engine runs on CUDA (one process per GPU), else of the cores
+    pool = gpus or devices
+    splits = candidate_splits(pool, gpu=bool(gpus))
+    n_draft = max(1, len(pool) // 4)  # the engine's default split
     splits.sort(key=lambda sp: len(sp[1]) != n_draft)
 
     def engine_config(row: dict) -> EngineConfig:
-        shared = row["mode"] != "async"
-        return EngineConfig(mode=row["mode"], dtype=dtype, target_cores=row["target_cores"],
-                            draft_cores=None if shared else row["draft_cores"], bs=row["bs"], w=row["w"],
-                            topk=row["w"], d=None if row["d"] == "auto" else row["d"])
+        split = row["mode"] == "async"
+        on_gpus = split and gpus
+        return EngineConfig(mode=row["mode"], dtype=dtype, target_cores=devices if on_gpus else row["target_cores"],
+                            draft_cores=None if not split or on_gpus else row["draft_cores"],
+                            target_devices=row["target_cores"] if on_gpus else None,
+                            draft_devices=row["draft_cores"] if on_gpus else None, draft_sms=row.get("draft_sms"),
+                            bs=row["bs"], w=row["w"], topk=row["w"], d=None if row["d"] == "auto" else row["d"])
 
     def run(row: dict, explore_d: bool = False) -> list[dict]:
         """Measure ``row``'s configuration; with ``explore_d`` (automatic d) the other ``d``
@@ -194,6 +205,10 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     # the target alone verifying prompt-lookup proposals: no draft cost, no draft prefill
     rows += run({"round": "sweep", "mode": "ngram", "target_cores": devices, "draft_cores": [],
                  "bs": dflt.bs, "w": dflt.w, "d": "auto"})
+    if gpus:  # one GPU shared by both models, the draft on its own stream: all SMs, then a quarter of them
+        for draft_sms in (None, max(1, sms // 4)):
+            rows += run({"round": "sweep", "mode": "colocated", "target_cores": devices, "draft_cores": devices,
+                         "bs": dflt.bs, "w": dflt.w, "d": "auto", "draft_sms": draft_sms})
     best, again = choose_confirmed(rows, lambda r: run({**r, "round": "confirm"})[0], margin)
     rows += again
     bar.close()
@@ -206,6 +221,16 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     from swiftspec.machine_profile import save_profile
 
     return out, rows, save_profile(out, target_dir, draft_dir)
+
+
+def _cuda_devices() -> tuple[list[int], int]:
+    """(the visible GPUs' indices, the first one's streaming multiprocessors): where the engine
+    runs on CUDA (``device="auto"``), the profile measures the GPU layouts; ``([], 0)`` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [], 0
+    return list(range(torch.cuda.device_count())), torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def table(rows: list[dict]) -> str:

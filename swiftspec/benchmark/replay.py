@@ -29,9 +29,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "acceptance replayed from --acceptance")
     ap.add_argument("--acceptance", metavar="TRACE", help=f"acceptance trace to replay (default {PACKAGED_TRACE.name}, "
                                                           "shipped)")
-    ap.add_argument("--target-config", help="config.json of the target's shapes for --random-weights "
-                                            "(default: the default pair's, shipped)")
-    ap.add_argument("--draft-config", help="config.json of the draft's shapes for --random-weights")
+    ap.add_argument("--target-config", help="config.json of the target's shapes for --random-weights, or the "
+                                            "name of a shipped one, e.g. qwen2.5-14b-instruct (default: the "
+                                            "default pair's)")
+    ap.add_argument("--draft-config", help="config.json (or shipped name) of the draft's shapes for --random-weights")
+    ap.add_argument("--degrade", type=float, nargs="+", default=[0.0], metavar="P",
+                    help="with --random-weights: replay the trace as a pair that agrees less, each recorded rank "
+                         "moved one down with probability P (one pass per value on the loaded systems; "
+                         "default 0: as recorded)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -45,18 +50,26 @@ def check(args: argparse.Namespace) -> None:
         if bad:
             raise ValueError(f"{', '.join(bad)} cannot run on random weights with a replayed trace "
                              "(peers with their own draft, GGUF-only peers and the pipeline modes)")
-    elif args.acceptance or args.target_config or args.draft_config:
-        raise ValueError("--acceptance, --target-config and --draft-config go with --random-weights")
+        if any(not 0.0 <= p <= 1.0 for p in args.degrade) or len(set(args.degrade)) != len(args.degrade):
+            raise ValueError(f"--degrade takes distinct probabilities in [0, 1], got {args.degrade}")
+    elif args.acceptance or args.target_config or args.draft_config or args.degrade != [0.0]:
+        raise ValueError("--acceptance, --target-config, --draft-config and --degrade go with --random-weights")
     if args.record_trace and "autoregressive" not in args.systems:
         raise ValueError("--record-trace needs autoregressive among the systems (the target's own tokens)")
 
 
 def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
-    """The (target, draft) directories of random weights of the configured shapes."""
-    from swiftspec.random_weights import DEFAULT_CONFIGS, materialize
+    """The (target, draft) recipe directories of random weights of the configured shapes
+    (:func:`swiftspec.random_weights.materialize`; the weights are made on the device at load),
+    with one placeholder tokenizer of the smaller vocabulary for both, as a real pair of one
+    family shares its tokenizer."""
+    from swiftspec.random_weights import DEFAULT_CONFIGS, materialize, packaged_config, read_config
 
-    return (materialize(args.target_config or DEFAULT_CONFIGS[0], dtype),
-            materialize(args.draft_config or DEFAULT_CONFIGS[1], dtype))
+    paths = (packaged_config(args.target_config) if args.target_config else DEFAULT_CONFIGS[0],
+             packaged_config(args.draft_config) if args.draft_config else DEFAULT_CONFIGS[1])
+    vocab = min(int(read_config(p)[2]["vocab_size"]) for p in paths)
+    target, draft = (materialize(p, dtype, tokenizer_vocab=vocab) for p in paths)
+    return target, draft
 
 
 def trace_prompts(args: argparse.Namespace) -> list[tuple[str, list[int], int, "Replay"]]:

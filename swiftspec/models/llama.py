@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from swiftspec import ops
+from swiftspec import ops, random_weights
 from swiftspec.ops import quant
 from swiftspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from swiftspec.layers.gguf import SHARD_PART, GGUFWeight, block_index
@@ -373,8 +373,11 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
     "bfloat16" / "float32": every weight dequantized (as converted) in ``dtype``. ``int8``: the
     layers that would hold float weights hold int8 weight-only ones (see :class:`LlamaForCausalLM`).
     ``stage``: only these decoder layers (a pipeline stage, see :class:`LlamaForCausalLM`); the
-    checkpoint's other tensors are not read. The model is built and loaded on the host, then moved to ``device``; on CUDA GGUF blocks run
-    dequantized in ``dtype`` (the quantized kernels are CPU kernels), with a one-line notice.
+    checkpoint's other tensors are not read. The model is built and loaded on the host, then moved to
+    ``device``; on CUDA GGUF blocks run dequantized in ``dtype`` (the quantized kernels are CPU
+    kernels), with a one-line notice. A random-weights recipe directory
+    (:mod:`swiftspec.random_weights`) is built on ``device`` and its weights made there, one
+    checkpoint tensor at a time (no host copy; ``weights`` does not apply).
 
     Raises:
         ModelConfigError: unsupported or broken config.json.
@@ -385,8 +388,16 @@ def load_model(model_dir: str | Path, tp: TPContext = LOCAL, dtype: torch.dtype 
     if weights not in ("native", "bfloat16", "float32"):
         raise ValueError(f"weights must be native, bfloat16 or float32, got {weights!r}")
     cfg = ModelConfig.from_dir(model_dir)
-    native = native_types(model_dir) if weights == "native" else {}
     device = torch.device(device)
+    recipe = random_weights.recipe(model_dir)
+    if recipe is not None:  # random weights: built and filled on the device itself, nothing read
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, tp, dtype, max_positions, None, stage, int8=int8)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        model.load_weights(random_weights.random_state(config, recipe, device,
+                                                       skip=lambda n: not _in_stage(model, n)))
+        return model.eval()
+    native = native_types(model_dir) if weights == "native" else {}
     if native and device.type != "cpu":
         print(f"swiftspec: GGUF blocks are dequantized to {dtype} on {device} (no GPU kernel for them yet)",
               file=sys.stderr)
