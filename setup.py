@@ -46,5 +46,5 @@ setup(
         "test": ["pytest", "scipy", "matplotlib", "openai", "httpx", "llama-cpp-python"],
         "bench": ["matplotlib", "llama-cpp-python"],
     },
-    entry_points={"console_scripts": ["swiftspec=swiftspec.cli:main"]},
+    entry_points={"console_scripts": ["swiftspec=swiftspec.entrypoints.cli:main"]},
 )

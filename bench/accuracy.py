@@ -54,8 +54,8 @@ def main() -> None:
 
     from swiftspec import ops
     from swiftspec.benchmark.e2e import DATASETS, load_prompts
-    from swiftspec.loader import default_gguf_paths, fetch_default_pair
-    from swiftspec.models.llama import load_model
+    from swiftspec.weights.loader import default_gguf_paths, fetch_default_pair
+    from swiftspec.model_executor.models.llama import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=4)
@@ -87,7 +87,7 @@ def main() -> None:
               f"mean KL {kl:.2e} nats", flush=True)
         del model
     ops.set_kernels(True)
-    from swiftspec.machine_profile import cpu_model_name
+    from swiftspec.engine.machine_profile import cpu_model_name
 
     cpu = cpu_model_name()
     record = {"command": "python bench/accuracy.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),

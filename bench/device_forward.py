@@ -6,7 +6,7 @@ random (a forward's time does not depend on their values), nothing is read from 
 the cache. For each model and row count (1 row: an autoregressive step; ``bs`` rows: a
 verification; ``w`` rows: a draft expansion) it times one forward plus the LM head of every row
 over a KV cache already holding ``--context`` tokens: eagerly, and on CUDA also as a CUDA-graph
-replay (:class:`swiftspec.graphs.PaddedStep`, the LM head outside the graph; its mask padded to the
+replay (:class:`swiftspec.model_executor.graphs.PaddedStep`, the LM head outside the graph; its mask padded to the
 cache's ``--capacity`` slots, as the engine's, and the slots in use passed on the device; with a
 capacity beyond the context also a replay without that bound, ``graph_unbounded_s``, the attention
 then split over the whole capacity). Each time is set
@@ -35,17 +35,17 @@ from pathlib import Path
 import torch
 
 from swiftspec.benchmark.memory import copy_bandwidth, read_bandwidth, spec_sheet_bandwidth, weight_read_bytes
-from swiftspec.random_weights import DEFAULT_CONFIGS, packaged_config
+from swiftspec.weights.random_weights import DEFAULT_CONFIGS, packaged_config
 
 DEFAULT_MODELS = list(DEFAULT_CONFIGS)
 
 
 def random_model(config: Path, dtype: torch.dtype, device: torch.device, max_positions: int):
     """Our model of ``config``'s shapes with random weights made on ``device`` (the recipe
-    :func:`swiftspec.random_weights.materialize` writes, the one ``swiftspec bench --random-weights``
+    :func:`swiftspec.weights.random_weights.materialize` writes, the one ``swiftspec bench --random-weights``
     runs), loaded as the engine loads it."""
-    from swiftspec.models.llama import load_model
-    from swiftspec.random_weights import materialize
+    from swiftspec.model_executor.models.llama import load_model
+    from swiftspec.weights.random_weights import materialize
 
     model_dir = materialize(config, str(dtype).removeprefix("torch."))
     return load_model(model_dir, dtype=dtype, max_positions=max_positions, device=device).eval()
@@ -90,7 +90,7 @@ def time_model(model, device: torch.device, rows: list[int], context: int, round
                vocab: int | None, capacity: int) -> list[dict]:
     """Eager (and graph-replay) seconds of a forward plus the LM head at each row count, the KV
     cache ``capacity`` slots (at least the context plus the most rows)."""
-    from swiftspec.graphs import PaddedStep
+    from swiftspec.model_executor.graphs import PaddedStep
 
     with torch.no_grad():
         kv = _prefilled_cache(model, device, context, capacity)

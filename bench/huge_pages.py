@@ -1,5 +1,5 @@
 """The forward on block weights held on 2 MiB huge pages (as the engine allocates them,
-swiftspec/host_memory.py) against the same weights on ordinary 4 KiB pages, interleaved.
+swiftspec/weights/host_memory.py) against the same weights on ordinary 4 KiB pages, interleaved.
 
 Both copies of the model are loaded; for each row count the two forwards (+ LM head, after a
 100-token prefill, as bench/native_forward.py times them) alternate call by call, --calls times
@@ -23,11 +23,12 @@ from native_forward import step_fn  # the forward native_forward.py times (bench
 
 
 def main() -> None:
-    from swiftspec import host_memory, ops
+    from swiftspec import ops
+    from swiftspec.weights import host_memory
     from swiftspec.benchmark.e2e import machine_record
-    from swiftspec.layers.gguf import GGUFWeight
-    from swiftspec.loader import fetch_default_pair
-    from swiftspec.models.llama import load_model
+    from swiftspec.model_executor.layers.gguf import GGUFWeight
+    from swiftspec.weights.loader import fetch_default_pair
+    from swiftspec.model_executor.models.llama import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["target", "draft"], default="target")

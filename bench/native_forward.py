@@ -69,10 +69,11 @@ def time_prefill(model, n: int, rounds: int) -> float:
 
 
 def main() -> None:
-    from swiftspec import host_memory, ops
+    from swiftspec import ops
+    from swiftspec.weights import host_memory
     from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
-    from swiftspec.loader import fetch_default_pair
-    from swiftspec.models.llama import load_model
+    from swiftspec.weights.loader import fetch_default_pair
+    from swiftspec.model_executor.models.llama import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["target", "draft"], default="target")
@@ -105,7 +106,7 @@ def main() -> None:
         if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
             layout = f"x{ops.quant_interleave_rows()}"
         model = load_model(path, dtype=dtype, max_positions=max(512, *args.prefill, 0) + 16, weights=weights)
-        huge_bytes = host_memory.huge_page_bytes()  # the block weights' huge pages (swiftspec.host_memory)
+        huge_bytes = host_memory.huge_page_bytes()  # the block weights' huge pages (swiftspec.weights.host_memory)
         nbytes = weight_read_bytes(model, vocab)
         before = read_bandwidth(torch.device("cpu"), args.threads)
         for rows in (1, 2, 4, 8):

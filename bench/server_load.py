@@ -353,7 +353,7 @@ def _spread(xs: list[float]) -> dict:
 
 def overhead(engine, url: str, prompts: list[str], max_tokens: int, repeats: int = 1) -> dict:
     """Paired direct / HTTP runs, ``repeats`` pairs per prompt (see the module docstring)."""
-    from swiftspec.sampling import SamplingParams
+    from swiftspec.model_executor.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     client = httpx.Client(base_url=url, timeout=600)
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"restart: {r['first_status']} after {r['first_s']:.2f} s, next request {r['next_status']} after "
                   f"{r['next_s']:.1f} s, engine restart {r['restart_s']:.1f} s")
         else:
-            from swiftspec import cli
+            from swiftspec.entrypoints import cli
 
             p = argparse.ArgumentParser()
             cli._add_engine_args(p)

@@ -8,7 +8,7 @@ Public API::
                               SamplingParams(max_tokens=128))
         print(out.text, out.metrics.compression_ratio)
 """
-from swiftspec.sampling import SamplingParams, TokenLogprob
+from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "SamplingParams", "TokenLogprob",
@@ -18,7 +18,7 @@ __all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "Samplin
 def __getattr__(name):
     # the engine pulls in transformers; keep `import swiftspec` light for workers and tools
     if name in __all__:
-        from swiftspec import engine
+        from swiftspec.engine import llm_engine as engine
 
         return getattr(engine, name)
     raise AttributeError(name)

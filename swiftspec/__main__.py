@@ -1,5 +1,5 @@
 import sys
 
-from swiftspec.cli import main
+from swiftspec.entrypoints.cli import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from swiftspec.sampling import Sampler, SamplingParams
+from swiftspec.model_executor.sampling import Sampler, SamplingParams
 
 
 def exact_first_tokens(model, prompt: list[int], params: dict, device: str = "cpu") -> dict[tuple, float]:

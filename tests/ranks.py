@@ -14,7 +14,7 @@ def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, lab
     """Call ``fn(rank, world, port, *args, q)`` in ``world`` spawned processes. Each rank reports
     once with :func:`report` (``"ok"`` and its payload, or ``"error"`` and a traceback). Returns
     {rank: payload}; fails the test on an error or when a rank is silent past ``deadline_s`` seconds."""
-    from swiftspec.parallel import free_tcp_port
+    from swiftspec.distributed.parallel import free_tcp_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from swiftspec import acceptance
-from swiftspec.sampling import Sampler, SamplingParams
-from swiftspec.verify import replayed_token, walk
+from swiftspec.spec_decode import acceptance
+from swiftspec.model_executor.sampling import Sampler, SamplingParams
+from swiftspec.spec_decode.verify import replayed_token, walk
 
 GREEDY = Sampler(SamplingParams(temperature=0.0))
 
@@ -47,7 +47,7 @@ def test_replaying_a_pairs_own_trace_gives_its_output_and_its_acceptance(tiny_di
     the target's own token, so the output equals the target's and each verification accepts what
     it accepts without the replay (a mismatch in either would mean the ranks or the candidates'
     order are wrong)."""
-    from swiftspec.engine import Engine, EngineConfig
+    from swiftspec.engine.llm_engine import Engine, EngineConfig
 
     prompts = ["count: 1 2 3", "abc abc abc", "hello"]
     with Engine(tiny_dir, None, config=EngineConfig(mode="autoregressive", dtype="float32")) as ar:
@@ -68,7 +68,7 @@ def test_replaying_a_pairs_own_trace_gives_its_output_and_its_acceptance(tiny_di
 
 
 def test_recorded_log_probabilities_shape_the_tree_on_the_recorded_path_only():
-    from swiftspec.tree import DraftTree
+    from swiftspec.spec_decode.tree import DraftTree
 
     r = acceptance.Replay((None, 1, 0, None), ((0.0,), (-0.1, -2.0), (-0.5, -1.0, -3.0), (-0.2, -0.3)),
                           (-1.0, -2.0, -3.0))
@@ -88,7 +88,7 @@ def test_replay_on_other_models_accepts_exactly_the_recorded_ranks(tiny_dir, tin
     """Draft and target unrelated (random tiny models): with every rank 0 recorded, each walk
     accepts the first child at each node down the subgraph and never anything else; with every
     rank absent, nothing is accepted (compression 1)."""
-    from swiftspec.engine import Engine, EngineConfig
+    from swiftspec.engine.llm_engine import Engine, EngineConfig
 
     with Engine(tiny_dir, tiny_llama_dir, config=EngineConfig(mode="serial", dtype="float32")) as eng:
         ids = eng.encode("xyz", False)
@@ -108,7 +108,7 @@ def test_replay_on_other_models_accepts_exactly_the_recorded_ranks(tiny_dir, tin
 
 
 def test_replay_refuses_sampled_requests(tiny_dir):
-    from swiftspec.engine import Engine, EngineConfig
+    from swiftspec.engine.llm_engine import Engine, EngineConfig
 
     with Engine(tiny_dir, tiny_dir, config=EngineConfig(mode="serial", dtype="float32")) as eng:
         with pytest.raises(ValueError, match="greedy"):
@@ -153,7 +153,7 @@ def test_shipped_trace_is_the_default_pairs():
 
 
 def _tiny_config(tmp_path, **kw):
-    from swiftspec.random_weights import DEFAULT_CONFIGS
+    from swiftspec.weights.random_weights import DEFAULT_CONFIGS
 
     cfg = dict(json.loads(DEFAULT_CONFIGS[1].read_text()), hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
@@ -169,7 +169,7 @@ def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_d
     are not a target's), SwiftSpec's compression follows the trace, the table says so."""
     from swiftspec.benchmark.e2e import main
 
-    from swiftspec import random_weights  # the random checkpoints go to this test's directory
+    from swiftspec.weights import random_weights  # the random checkpoints go to this test's directory
 
     monkeypatch.setattr(random_weights, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     trace = tmp_path / "trace.json"

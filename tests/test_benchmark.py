@@ -62,7 +62,7 @@ def test_memory_check_counts_native_blocks_as_stored(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from swiftspec.models.llama import NATIVE_FILE
+    from swiftspec.model_executor.models.llama import NATIVE_FILE
 
     for name in ("t", "d"):
         (tmp_path / name / "native").mkdir(parents=True)
@@ -271,12 +271,12 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
     middle tree) and the target alone (autoregressive and ngram),
     prints every candidate, writes a configuration the engine runs with the target's own greedy
     output, and stores its mode for mode="auto" on this machine and pair."""
-    from swiftspec import machine_profile
+    from swiftspec.engine import machine_profile
 
     monkeypatch.setattr(machine_profile, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     from swiftspec.benchmark.profile import main
-    from swiftspec.engine import Engine, EngineConfig
-    from swiftspec.sampling import SamplingParams
+    from swiftspec.engine.llm_engine import Engine, EngineConfig
+    from swiftspec.model_executor.sampling import SamplingParams
 
     prompts = tmp_path / "calib.jsonl"
     prompts.write_text(json.dumps({"question_id": 0, "turns": ["count: 1 2 3 4"]}))
@@ -713,7 +713,7 @@ def test_device_forward_on_cpu_with_random_weights(tmp_path, monkeypatch):
     cfg = dict(shipped["qwen2.5-coder-0.5b-instruct.json"], hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
     (tmp_path / "tiny.json").write_text(json.dumps(cfg))
-    from swiftspec import random_weights  # the random checkpoint goes to this test's directory
+    from swiftspec.weights import random_weights  # the random checkpoint goes to this test's directory
 
     monkeypatch.setattr(random_weights, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     rec = df.main(["--device", "cpu", "--dtype", "float32", "--rows", "1", "2", "--rounds", "2", "--context", "16",

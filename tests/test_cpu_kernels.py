@@ -91,7 +91,7 @@ def test_swiglu_bad_input(ops):
 # Tree attention
 
 def _rope_tables(d: int, p: int = 4096, theta: float = 10000.0):
-    from swiftspec.layers.rotary import RotaryEmbedding
+    from swiftspec.model_executor.layers.rotary import RotaryEmbedding
     rope = RotaryEmbedding(d, p, theta)
     return rope.cos, rope.sin
 
@@ -237,7 +237,7 @@ def test_tree_attention_node_equals_compacted_decode(ops, dtype, prefix):
     is bit-identical to the same token decoded alone after its ancestors' keys are compacted to
     slots L .. L + depth - 1 (the target's re-root). Prefixes end just below a 256-key split
     boundary, so tree slots and compacted slots of one node fall on different sides of it."""
-    from swiftspec.target_state import ancestor_mask
+    from swiftspec.spec_decode.target_state import ancestor_mask
 
     n, hq, hk, d = 12, 12, 2, 64
     g = torch.Generator().manual_seed(prefix)

@@ -253,8 +253,8 @@ def test_ops_linear_dispatch(spy, dtype):
 
 
 def test_layers_use_the_twin(spy):
-    from swiftspec.layers.embedding import ParallelLMHead
-    from swiftspec.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from swiftspec.model_executor.layers.embedding import ParallelLMHead
+    from swiftspec.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     g = torch.Generator().manual_seed(1)
     col = ColumnParallelLinear(48, 40, bias=True, dtype=torch.bfloat16)
@@ -286,7 +286,7 @@ def test_layers_use_the_twin(spy):
 # The int8 weight-only twin (draft layers)
 
 def _int8_case(M, K, N, dtype, seed):
-    from swiftspec.layers.quant import quantize_int8
+    from swiftspec.model_executor.layers.quant import quantize_int8
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(dtype)

@@ -8,11 +8,13 @@ from collections import Counter
 import pytest
 import torch
 
-from swiftspec import Engine, SamplingParams, scheduler
-from swiftspec.draft_state import DraftState, TreeParams
-from swiftspec.runner import ModelRunner, RunnerHandle
-from swiftspec.scheduler import Request
-from swiftspec.target_state import TargetState
+from swiftspec import Engine, SamplingParams
+
+from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode.draft_state import DraftState, TreeParams
+from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
+from swiftspec.spec_decode.scheduler import Request
+from swiftspec.spec_decode.target_state import TargetState
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_green = pytest.mark.skipif(not getattr(getattr(torch.cuda, "green_contexts", None), "SUPPORTED", False),
@@ -82,7 +84,7 @@ def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir, loop):
     CPU test in test_scheduler.py."""
     from distributions import chi_square_pvalue, exact_first_tokens
 
-    from swiftspec.models import load_model
+    from swiftspec.model_executor.models import load_model
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     exact = exact_first_tokens(load_model(tiny_dir, device="cuda"), PROMPT, params, device="cuda")

@@ -1,4 +1,4 @@
-"""IncrementalText (swiftspec/detokenize.py): the streamed text equals the whole sequence decoded
+"""IncrementalText (swiftspec/engine/detokenize.py): the streamed text equals the whole sequence decoded
 at once, cut at the earliest stop string, on a byte-level tokenizer whose tokens split UTF-8
 characters, fed in chunks of every size."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swiftspec.detokenize import IncrementalText
+from swiftspec.engine.detokenize import IncrementalText
 
 
 @pytest.fixture(scope="module")

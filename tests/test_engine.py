@@ -7,8 +7,8 @@ import pytest
 from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, TokenizerMismatchError, WorkerError
-from swiftspec import engine as engine_mod
-from swiftspec.loader import ModelLoadError
+from swiftspec.engine import llm_engine as engine_mod
+from swiftspec.weights.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 PROMPT = "hello world, this is a test"
@@ -168,7 +168,8 @@ def test_abandoned_stream_is_cancelled(tiny_dir, tiny_draft_dir, reference):
 
 
 def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, monkeypatch):
-    from swiftspec import engine, machine_profile
+    from swiftspec.engine import llm_engine as engine
+    from swiftspec.engine import machine_profile
 
     auto = engine.EngineConfig()
     assert engine.choose_mode(engine.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
@@ -177,7 +178,7 @@ def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, mon
     assert mode in engine.MODES and why.startswith("auto: ")
     assert tree in ({}, engine.SHALLOW_TREE) and (tree == engine.SHALLOW_TREE) == ("bs 2, d 1" in why)
     # the rule's shallow tree where a SIMD kernel reads the blocks; a shape the user sets wins
-    from swiftspec import config
+    from swiftspec.engine import config
     monkeypatch.setattr(config, "_available_cores", lambda: [0, 1])
     monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
     from swiftspec import ops
@@ -210,7 +211,7 @@ def test_a_seed_gives_the_same_sampled_output_in_every_mode(tiny_dir, tiny_draft
     was sampled where the target ran (every mode here: only token ids come back) or on the host,
     and whatever the tree: with batch-invariant target logits, a seed gives the autoregressive
     output in every speculative mode, with a draft that differs from the target."""
-    from swiftspec.engine import EngineConfig
+    from swiftspec.engine.llm_engine import EngineConfig
 
     runs = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=s, max_tokens=20, ignore_eos=True)
             for s in range(3) for (t, p, k) in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.2, 1.0, 5))]

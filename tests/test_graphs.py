@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from swiftspec import ops
-from swiftspec.graphs import PaddedStep
-from swiftspec.models.llama import load_model
+from swiftspec.model_executor.graphs import PaddedStep
+from swiftspec.model_executor.models.llama import load_model
 
 CAP = 48
 

@@ -1,4 +1,4 @@
-"""Host memory on transparent huge pages (swiftspec/host_memory.py) and the block weights made on it."""
+"""Host memory on transparent huge pages (swiftspec/weights/host_memory.py) and the block weights made on it."""
 from __future__ import annotations
 
 import gc
@@ -6,8 +6,8 @@ import gc
 import pytest
 import torch
 
-from swiftspec import host_memory
-from swiftspec.layers.gguf import GGUFWeight
+from swiftspec.weights import host_memory
+from swiftspec.model_executor.layers.gguf import GGUFWeight
 from swiftspec.ops import quant
 
 HUGE = host_memory.HUGE_PAGE

@@ -1,4 +1,4 @@
-"""Tests for swiftspec.loader: GGUF -> HF directory conversion, the default-pair cache, resolution.
+"""Tests for swiftspec.weights.loader: GGUF -> HF directory conversion, the default-pair cache, resolution.
 
 Everything except the ``real_models`` test runs offline on tiny GGUFs written here with
 ``gguf.GGUFWriter`` (with a small byte-level BPE tokenizer in the metadata).
@@ -19,8 +19,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
-from swiftspec import default_pair, gguf_convert, loader, model_cache
-from swiftspec.loader import ModelLoadError, convert_gguf, resolve_model
+from swiftspec.weights import default_pair
+
+from swiftspec.weights import gguf_convert
+
+from swiftspec.weights import loader
+
+from swiftspec.weights import model_cache
+from swiftspec.weights.loader import ModelLoadError, convert_gguf, resolve_model
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 256  # FFN 256: one Q4_K block per down_proj row
 HEAD_DIM = HIDDEN // HEADS

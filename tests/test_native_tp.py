@@ -12,12 +12,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from ranks import report, spawn_ranks
-from swiftspec.layers.gguf import GGUFWeight, block_index
-from swiftspec.layers.linear import PAD, block_split
-from swiftspec.loader import convert_gguf
-from swiftspec.models.llama import load_model
+from swiftspec.model_executor.layers.gguf import GGUFWeight, block_index
+from swiftspec.model_executor.layers.linear import PAD, block_split
+from swiftspec.weights.loader import convert_gguf
+from swiftspec.model_executor.models.llama import load_model
 from swiftspec.ops import quant
-from swiftspec.parallel import TPContext
+from swiftspec.distributed.parallel import TPContext
 from tests.test_loader import make_gguf
 from tests.trees import assert_tree_equals_path
 
@@ -121,7 +121,7 @@ def _native_layers(m):
 def _rank_main(rank, world, port, model_dir, dtype, out):
     try:
         torch.set_num_threads(1)
-        from swiftspec.parallel import init_world
+        from swiftspec.distributed.parallel import init_world
 
         (ctx,) = init_world(rank, world, port, [list(range(world))], timeout_s=30.0, shm_comm=rank >= 0)
         m = load_model(model_dir, tp=ctx, dtype=dtype, weights="native")

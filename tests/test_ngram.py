@@ -1,15 +1,15 @@
-"""The ngram mode: prompt-lookup proposals (swiftspec/ngram.py) verified by the target alone."""
+"""The ngram mode: prompt-lookup proposals (swiftspec/spec_decode/ngram.py) verified by the target alone."""
 from collections import Counter
 
 import pytest
 
-from swiftspec import scheduler
-from swiftspec.config import EngineConfig
-from swiftspec.ngram import NgramParams, NgramProposer
-from swiftspec.runner import ModelRunner, RunnerHandle
-from swiftspec.sampling import SamplingParams
-from swiftspec.scheduler import Request
-from swiftspec.target_state import TargetState
+from swiftspec.spec_decode import scheduler
+from swiftspec.engine.config import EngineConfig
+from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
+from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
+from swiftspec.model_executor.sampling import SamplingParams
+from swiftspec.spec_decode.scheduler import Request
+from swiftspec.spec_decode.target_state import TargetState
 
 PROMPT = [3, 40, 41, 42, 50, 60, 70, 33, 34, 35]
 
@@ -138,7 +138,7 @@ def test_sampled_output_follows_target_distribution(tiny_dir, reference, monkeyp
     distribution (chi-square), with proposals (the greedy tokens) often accepted."""
     from distributions import chi_square_pvalue, exact_first_tokens
 
-    from swiftspec.models import load_model
+    from swiftspec.model_executor.models import load_model
 
     monkeypatch.setattr(NgramProposer, "propose", _oracle(reference))
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)

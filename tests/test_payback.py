@@ -1,11 +1,11 @@
-"""The per-request draft gate (swiftspec.payback): its arithmetic, and run_serial under it
+"""The per-request draft gate (swiftspec.spec_decode.payback): its arithmetic, and run_serial under it
 (lossless both ways; the draft prefilled up to the root when it speculates)."""
 import pytest
 
-from swiftspec import scheduler
-from swiftspec.acceptance import Replay
-from swiftspec.payback import MIN_SIGMA, MIN_TOKENS, PaybackGate
-from swiftspec.sampling import SamplingParams
+from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode.acceptance import Replay
+from swiftspec.spec_decode.payback import MIN_SIGMA, MIN_TOKENS, PaybackGate
+from swiftspec.model_executor.sampling import SamplingParams
 from tests.test_scheduler import PROMPT, _collect, _draft, _req, _target, greedy_reference  # noqa: F401 (fixture)
 
 

@@ -1,4 +1,4 @@
-"""Pipeline stages and the pipeline modes (swiftspec.pipeline, swiftspec.pipeline_decode): the
+"""Pipeline stages and the pipeline modes (swiftspec.pipeline.stages, swiftspec.pipeline.decode): the
 layer split, a staged forward bit-identical to the whole model, greedy output of pipedec and
 pipeinfer equal to autoregressive with 2 and 3 stages, the sampled distribution, pruning and
 cancellation without recomputation, a dying stage."""
@@ -14,9 +14,11 @@ import pytest
 from conftest import pid_alive
 import torch
 
-from swiftspec import Engine, SamplingParams, WorkerError, engine
-from swiftspec.models.llama import load_model
-from swiftspec.pipeline import checkpoint_layer_bytes, partition_layers
+from swiftspec import Engine, SamplingParams, WorkerError
+
+from swiftspec.engine import llm_engine as engine
+from swiftspec.model_executor.models.llama import load_model
+from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
 
 PROMPT = "hello world, this is a test"
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -62,7 +64,7 @@ def test_checkpoint_layer_bytes(target3):
 def test_model_digest(target3, tmp_path):
     import shutil
 
-    from swiftspec.pipeline import model_digest
+    from swiftspec.pipeline.stages import model_digest
 
     copy = shutil.copytree(target3, tmp_path / "copy")
     first = model_digest(copy)
@@ -185,7 +187,7 @@ def test_two_hosts_joined_over_tcp(target3, draft3, reference):
     """Stage 1 in its own process tree joins stage 0 by TCP rendezvous; the output is unchanged;
     killing either side, or freezing the remote one (a host gone without closing its sockets),
     makes the other raise (or exit) within 10 s, naming the lost stage; no process is left."""
-    from swiftspec.parallel import free_tcp_port
+    from swiftspec.distributed.parallel import free_tcp_port
 
     port = free_tcp_port()
     remote = _remote_stage(target3, port)

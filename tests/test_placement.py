@@ -1,4 +1,4 @@
-"""Device placement (swiftspec.placement): device resolution, GPU splits, groups, the collective
+"""Device placement (swiftspec.engine.placement): device resolution, GPU splits, groups, the collective
 backend, and the engine's configuration errors. GPU machines are simulated where only the
 count of devices matters; nothing here needs CUDA."""
 from pathlib import Path
@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swiftspec import Engine, engine
-from swiftspec.placement import (PlacementError, backend_for, plan_groups, resolve_device, split_cores,
+from swiftspec import Engine
+
+from swiftspec.engine import llm_engine as engine
+from swiftspec.engine.placement import (PlacementError, backend_for, plan_groups, resolve_device, split_cores,
                                  split_gpus)
 
 
@@ -33,7 +35,7 @@ def test_backend_follows_the_device_not_the_install(monkeypatch):
     assert backend_for("cpu") == "gloo" and backend_for("cuda") == "nccl"
     # a CPU world on a machine with CUDA installed is gloo (it was NCCL, which cannot carry CPU tensors)
     _cuda_visible(monkeypatch, 1)
-    from swiftspec.parallel import free_tcp_port, init_world
+    from swiftspec.distributed.parallel import free_tcp_port, init_world
 
     try:
         (tp,) = init_world(0, 1, free_tcp_port(), [[0]], timeout_s=20.0, device_type="cpu")
@@ -155,7 +157,7 @@ def test_draft_sms_needs_colocated_on_cuda(tiny_dir, monkeypatch):
 
 
 def test_draft_sms_from_the_command_line_and_bench_config(tiny_dir, capsys):
-    from swiftspec import cli
+    from swiftspec.entrypoints import cli
     from swiftspec.benchmark.e2e import expand_systems
 
     for cmd in ("generate", "serve"):
@@ -175,13 +177,13 @@ def test_draft_sms_from_the_command_line_and_bench_config(tiny_dir, capsys):
 
 
 def test_green_context_stream_on_simulated_apis(monkeypatch):
-    """swiftspec.sm_partition.green_context_stream against fakes of torch's green contexts and the CUDA
+    """swiftspec.model_executor.sm_partition.green_context_stream against fakes of torch's green contexts and the CUDA
     driver: either torch API (a context with Stream(), or one with only set_context() /
     pop_context(), where the stream is made in the pushed context), and every failure named,
     a stream the driver does not place in a green context included (no silent whole-GPU stream)."""
-    from swiftspec import sm_partition
-    from swiftspec.runner import ModelRunner
-    from swiftspec.sm_partition import green_context_stream
+    from swiftspec.model_executor import sm_partition
+    from swiftspec.model_executor.runner import ModelRunner
+    from swiftspec.model_executor.sm_partition import green_context_stream
 
     with pytest.raises(ValueError, match="CUDA device"):
         ModelRunner("unused", device="cpu", sm_count=8)

@@ -364,7 +364,7 @@ def test_16_row_layout_rows_are_batch_and_thread_invariant():
 
 
 def test_gguf_weight_interleaves_at_load_and_reads_back():
-    from swiftspec.layers.gguf import GGUFWeight
+    from swiftspec.model_executor.layers.gguf import GGUFWeight
 
     _module()
     k = 512

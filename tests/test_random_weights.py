@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftspec import acceptance, random_weights
-from swiftspec.random_weights import DEFAULT_CONFIGS, materialize, packaged_config
+from swiftspec.spec_decode import acceptance
+
+from swiftspec.weights import random_weights
+from swiftspec.weights.random_weights import DEFAULT_CONFIGS, materialize, packaged_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -31,7 +33,7 @@ def test_recipe_directory_holds_no_weights_and_is_cached(tmp_path):
     tokenizer size is another directory; bad input is refused."""
     from transformers import AutoTokenizer
 
-    from swiftspec.loader import resolve_model
+    from swiftspec.weights.loader import resolve_model
 
     cfg = _tiny_config(tmp_path)
     a = materialize(cfg, "float32", cache_dir=tmp_path / "c1")
@@ -63,7 +65,7 @@ def test_ours_and_transformers_make_the_same_weights_on_the_device(tmp_path, dev
     bytes (equal logits); loading again gives the same weights; norms are 1, biases 0 and the
     matrices N(0, initializer_range); the weight bytes are those of the shapes."""
     from swiftspec.benchmark.peers import hf_model
-    from swiftspec.models.llama import load_model
+    from swiftspec.model_executor.models.llama import load_model
 
     d = materialize(_tiny_config(tmp_path), "float32", cache_dir=tmp_path / "c")
     ours = load_model(d, dtype=torch.float32, max_positions=64, device=device)

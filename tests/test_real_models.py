@@ -16,7 +16,7 @@ DATASETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]
 
 @pytest.fixture(scope="module")
 def pair():
-    from swiftspec.loader import fetch_default_pair
+    from swiftspec.weights.loader import fetch_default_pair
 
     return fetch_default_pair(progress=False)
 
@@ -40,7 +40,7 @@ def test_target_logits_match_transformers(pair):
     """fp32, a 100-token prompt: max abs logit difference below 1e-3."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swiftspec.models import load_model
+    from swiftspec.model_executor.models import load_model
 
     target, _ = pair
     tok = AutoTokenizer.from_pretrained(target)
@@ -60,7 +60,7 @@ def test_verification_tree_equals_one_token_forwards(pair):
     """The real target on its native blocks: each node on a path through an 8-node verification
     tree (siblings masked out) has bit for bit the logits of its token decoded alone. The prompt
     ends just below a 256-key attention split, so tree slots and decode slots straddle it."""
-    from swiftspec.models import load_model
+    from swiftspec.model_executor.models import load_model
     from tests.trees import assert_tree_equals_path
 
     target, _ = pair

@@ -7,13 +7,13 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
-from swiftspec import scheduler
-from swiftspec.draft_state import DraftState, TreeParams
-from swiftspec.runner import ModelRunner, RunnerHandle
-from swiftspec.sampling import Sampler, SamplingParams
-from swiftspec.scheduler import Request
-from swiftspec.target_state import TargetState
-from swiftspec.tree import DraftTree
+from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode.draft_state import DraftState, TreeParams
+from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
+from swiftspec.model_executor.sampling import Sampler, SamplingParams
+from swiftspec.spec_decode.scheduler import Request
+from swiftspec.spec_decode.target_state import TargetState
+from swiftspec.spec_decode.tree import DraftTree
 
 PROMPT = [3, 40, 41, 42, 50, 60, 70, 33, 34, 35]
 
@@ -136,7 +136,7 @@ def test_async_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_ref
 def slow_device(monkeypatch):
     """A device where each launched forward reports busy for its first ``polls[0]`` done() polls
     (a GPU still verifying), so the colocated loop expands between launch and accept on CPU."""
-    from swiftspec.runner import Launched
+    from swiftspec.model_executor.runner import Launched
 
     polls = [0]
     real = Launched.done
@@ -239,7 +239,7 @@ def test_sampled_output_follows_target_distribution(tiny_dir, slow_device, mode)
     verification walk) against the exact target distribution: chi-square test."""
     from distributions import chi_square_pvalue, exact_first_tokens
 
-    from swiftspec.models import load_model
+    from swiftspec.model_executor.models import load_model
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     exact = exact_first_tokens(load_model(tiny_dir), PROMPT, params)
@@ -262,7 +262,7 @@ def test_runner_heads_are_the_host_reductions(tiny_dir):
     """The reductions the runner returns instead of logits (greedy tokens for the target, the
     draft's top-k) are bit for bit the host's reductions of its logits; the walk on argmax rows
     equals the walk on logits, and refuses them for a sampled request or one with logprobs."""
-    from swiftspec.verify import target_head, walk
+    from swiftspec.spec_decode.verify import target_head, walk
 
     runner = ModelRunner(str(tiny_dir), capacity=64)
     n = len(PROMPT)
@@ -301,7 +301,7 @@ def test_sample_rows_is_the_sequential_inverse_cdf():
     """The batched sampler (the device path) draws, per row, the token the one-row inverse CDF
     draws with the same uniform: temperature, top-k, top-p, and uniforms on the edge of a
     zero-mass run (top-p zeroes the tail) included."""
-    from swiftspec.sampling import filtered_probs, sample_rows
+    from swiftspec.model_executor.sampling import filtered_probs, sample_rows
 
     def one(row, params, u):  # the sequential reference: scan the float64 CDF
         probs = filtered_probs(row[None], params)[0].double()
@@ -325,7 +325,7 @@ def test_staging_buffer_packs_a_step_into_one_copy():
     """The step inputs (any shapes and dtypes, empty ones included) come out equal, in order,
     as views of one buffer, which grows for a bigger step and is reused for a smaller one (the
     CUDA runner's path, here on the host: nothing pinned, the same packing)."""
-    from swiftspec.runner import StagingBuffer
+    from swiftspec.model_executor.runner import StagingBuffer
 
     buf = StagingBuffer(torch.device("cpu"))
     for n, width in ((3, 10), (40, 700), (2, 5)):
@@ -343,8 +343,8 @@ def test_decode_steps_padded_to_graph_buckets_stay_lossless(tiny_dir, tiny_draft
     """Decode steps padded to CUDA-graph buckets (the CUDA runner replays them from graphs; on
     CPU the same padded step runs eagerly): the padding rows and mask columns change nothing,
     the prefill (bigger than every bucket) runs as it is."""
-    from swiftspec.graphs import PaddedStep
-    from swiftspec.worker import graph_buckets
+    from swiftspec.model_executor.graphs import PaddedStep
+    from swiftspec.engine.worker import graph_buckets
 
     padded = Counter()
     fill = PaddedStep._fill

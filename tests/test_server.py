@@ -20,8 +20,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from swiftspec import Engine, SamplingParams  # noqa: E402
-from swiftspec.openai_protocol import FIM_TOKENS, APIError  # noqa: E402
-from swiftspec.server import EngineHost, build_app  # noqa: E402
+from swiftspec.entrypoints.openai_protocol import FIM_TOKENS, APIError  # noqa: E402
+from swiftspec.entrypoints.server import EngineHost, build_app  # noqa: E402
 
 KEY = "sk-test"
 MODEL = "tiny"

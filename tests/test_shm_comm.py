@@ -1,4 +1,4 @@
-"""Shared-memory LL all-reduce and fused GEMM + all-reduce (csrc/cpu/shm_comm.cpp, swiftspec/comm.py).
+"""Shared-memory LL all-reduce and fused GEMM + all-reduce (csrc/cpu/shm_comm.cpp, swiftspec/distributed/comm.py).
 
 TP ranks are real processes (spawned, gloo rendezvous); every rank builds every rank's inputs from
 seeds, so it can check its own result against a sum done here in rank order and report a digest
@@ -64,7 +64,7 @@ def _check_gemm(comm, ctx, seed, shape, dtype, with_bias, gloo_ctx):
 def _prog_collectives(ctx, world):
     """all_reduce and gemm_all_reduce on three communicators: init_world's (default capacity),
     a small-capacity one (chunking) and a wrap-around build one (LL flags 1, 2, 3 repeating)."""
-    from swiftspec.comm import ShmCommunicator
+    from swiftspec.distributed.comm import ShmCommunicator
 
     gloo = dataclasses.replace(ctx, shm=None)
     small = ShmCommunicator.create(ctx.group, ctx.rank, ctx.size, capacity_bytes=SMALL_CAP, timeout_s=30.0)
@@ -112,7 +112,7 @@ def _prog_collectives(ctx, world):
 def _prog_model(ctx, model_dir):
     """The tiny model's logits (float and int8) with the shm communicator and with gloo."""
     from swiftspec import ops
-    from swiftspec.models import load_model
+    from swiftspec.model_executor.models import load_model
 
     ops.set_kernels(False)  # the other ops in PyTorch: this compares the communication paths only
     assert ctx.shm is not None
@@ -151,7 +151,7 @@ def _prog_gather(ctx):
 
 def _prog_failures(ctx, q):
     """A peer that never calls (timeout), that closed its communicator, that exited."""
-    from swiftspec.comm import ShmCommunicator
+    from swiftspec.distributed.comm import ShmCommunicator
 
     res = {}
 
@@ -196,7 +196,7 @@ def _prog_failures(ctx, q):
 def _rank_main(rank, world, port, prog, args, shm_comm, q):
     try:
         torch.set_num_threads(1)
-        from swiftspec.parallel import init_world
+        from swiftspec.distributed.parallel import init_world
 
         (ctx,) = init_world(rank, world, port, [list(range(world))], timeout_s=60.0, shm_comm=shm_comm)
         if prog == "failures":

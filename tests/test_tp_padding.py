@@ -12,8 +12,8 @@ import torch
 
 from conftest import build_tiny_model
 from ranks import report, spawn_ranks
-from swiftspec.layers.linear import PAD, gqa_head_layout
-from swiftspec.models import load_model
+from swiftspec.model_executor.layers.linear import PAD, gqa_head_layout
+from swiftspec.model_executor.models import load_model
 
 IDS = [5, 17, 33, 2, 90, 41, 7, 7, 12, 60, 3, 99]
 DEADLINE_S = 180.0  # generous: CI machines are shared and slow
@@ -30,7 +30,7 @@ def _rank_main(rank, world, port, jobs, out):
     """One TP rank: for each model dir, float logits then int8 logits (rank 0 reports them)."""
     try:
         torch.set_num_threads(1)
-        from swiftspec.parallel import init_world
+        from swiftspec.distributed.parallel import init_world
 
         (ctx,) = init_world(rank, world, port, [list(range(world))], timeout_s=30.0)
         results = []
@@ -124,7 +124,7 @@ def test_tp3_padded_equals_tp1(odd_models):
 
 def test_tp2_divisible_unchanged(tiny_dir):
     """A TP degree that divides everything pads nothing and still equals TP = 1."""
-    from swiftspec.parallel import TPContext
+    from swiftspec.distributed.parallel import TPContext
 
     # the layout TP = 2 rank 1 gets without a process group (loading needs no collective)
     m = load_model(tiny_dir, tp=TPContext(rank=1, size=2), dtype=torch.float32)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from swiftspec.target_state import ancestor_mask
-from swiftspec.tree import DraftTree
+from swiftspec.spec_decode.target_state import ancestor_mask
+from swiftspec.spec_decode.tree import DraftTree
 
 
 def _lp(pairs, vocab=16):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swiftspec.target_state import ancestor_mask
+from swiftspec.spec_decode.target_state import ancestor_mask
 
 
 def _forward(model, ids, positions, mask, kv, first_slot):

@@ -1,5 +1,5 @@
 // One decoder layer on native GGUF weights in one C++ call: the ops the Python modules would
-// call one by one (swiftspec/models/llama.py DecoderLayer with every linear layer on GGUF blocks),
+// call one by one (swiftspec/model_executor/models/llama.py DecoderLayer with every linear layer on GGUF blocks),
 // in the same order, through the same kernels, so the result is bit-identical to that path.
 //
 //   h, res   = rms_norm(x, residual, ln1)             (rms_norm.cpp)

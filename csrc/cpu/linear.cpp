@@ -85,7 +85,7 @@ at::Tensor linear_with_impl(const at::Tensor& x, const at::Tensor& w, const std:
 }
 
 // y = (x @ q^T) * scales[None, :]: int8 weight-only linear (the draft model's layers, per-output-
-// channel symmetric scales of swiftspec.layers.quant). Only the decode sizes (M <= 16) come here;
+// channel symmetric scales of swiftspec.model_executor.layers.quant). Only the decode sizes (M <= 16) come here;
 // the Python op sends bigger batches to torch's int8 kernel.
 at::Tensor int8_linear_impl(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales, Impl impl) {
   TORCH_CHECK(x_in.device().is_cpu() && q.device().is_cpu() && scales.device().is_cpu(),

@@ -40,7 +40,7 @@ namespace swiftspec {
 namespace quant {
 
 // ggml type ids (ggml.h enum ggml_type) of the formats with a kernel, and kAWQ4, ours (outside
-// ggml's range): an AWQ int4 group repacked per 32 values at load (swiftspec/awq.py), 20 bytes:
+// ggml's range): an AWQ int4 group repacked per 32 values at load (swiftspec/weights/awq.py), 20 bytes:
 // fp16 scale d, uint8 zero z (0..15), one reserved byte, then 16 bytes of nibbles in Q4_0's order
 // (value l < 16: low nibble of byte l, value 16 + l: its high nibble); w = d * (q - z), exact.
 enum GgmlType : int { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kAWQ4 = 200 };

@@ -55,7 +55,7 @@ ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swif
                 "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
                 "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive",
                 "pipeline-autoregressive": "pipeline-autoregressive", "pipedec": "pipedec", "pipeinfer": "pipeinfer"}
-# the pipeline modes run 2 stages, each on its own share of the cores (swiftspec.pipeline)
+# the pipeline modes run 2 stages, each on its own share of the cores (swiftspec.pipeline.stages)
 PIPELINE_STAGES = 2
 # "-dequantized": every weight dequantized in the activation dtype (the engine before native weights)
 
@@ -105,7 +105,7 @@ def expand_systems(systems: list[str], configs: list[str] | None) -> list[tuple[
             file that is not an engine configuration (:meth:`EngineConfig.from_json`).
         FileNotFoundError: a configuration file that does not exist.
     """
-    from swiftspec.config import EngineConfig
+    from swiftspec.engine.config import EngineConfig
 
     configs = list(configs or [])
     if "swiftspec-profiled" in systems and not configs:
@@ -133,8 +133,8 @@ class EngineSystem:
 
     def __init__(self, system: str, target, draft, dtype: str, cores: list[int], d: int | None,
                  config: str | None = None, device: str = "auto"):
-        from swiftspec.config import TARGET_ONLY_MODES
-        from swiftspec.engine import Engine, EngineConfig
+        from swiftspec.engine.config import TARGET_ONLY_MODES
+        from swiftspec.engine.llm_engine import Engine, EngineConfig
 
         if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
             cfg = EngineConfig.from_json(config, dtype=dtype, device=device)
@@ -160,8 +160,8 @@ class EngineSystem:
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
-        :meth:`swiftspec.engine.Engine.generate`)."""
-        from swiftspec.sampling import SamplingParams
+        :meth:`swiftspec.engine.llm_engine.Engine.generate`)."""
+        from swiftspec.model_executor.sampling import SamplingParams
 
         out = self.engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                                    replay=replay)
@@ -180,7 +180,7 @@ def _param_count(model_dir, skip: frozenset = frozenset()) -> int:
     (headers only; nothing is loaded); of a random-weights recipe, from its shapes."""
     from safetensors import safe_open
 
-    from swiftspec import random_weights
+    from swiftspec.weights import random_weights
 
     if random_weights.recipe(model_dir) is not None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -197,7 +197,7 @@ def _engine_weight_bytes(model_dir, per: int) -> int:
     """An engine's bytes for one model with native weights: its quantized blocks as stored
     (``native/blocks.safetensors``, kept as they are), every other tensor at ``per`` bytes a
     parameter."""
-    from swiftspec.models.llama import NATIVE_FILE, native_types
+    from swiftspec.model_executor.models.llama import NATIVE_FILE, native_types
 
     blocks = Path(model_dir) / NATIVE_FILE
     if not blocks.is_file():
@@ -293,7 +293,7 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
     if system in ("llama-cpp", "llama-cpp-spec"):
         gguf, draft = args.target_gguf, args.draft_gguf
         if args.target is None or args.draft is None:
-            from swiftspec.loader import default_gguf_paths
+            from swiftspec.weights.loader import default_gguf_paths
 
             defaults = default_gguf_paths()
             gguf = gguf or (defaults[0] if args.target is None else None)
@@ -448,8 +448,8 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
-    from swiftspec.engine import cpu_has_bf16
-    from swiftspec.loader import resolve_model
+    from swiftspec.engine.llm_engine import cpu_has_bf16
+    from swiftspec.weights.loader import resolve_model
 
     replay.check(args)
     if args.device == "auto":
@@ -523,7 +523,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _uses_draft(sysm) -> bool:
     """Whether a system's speed depends on the replayed acceptance: an engine whose mode verifies
     a draft's tree (not the target-only modes, not the peers)."""
-    from swiftspec.config import TARGET_ONLY_MODES
+    from swiftspec.engine.config import TARGET_ONLY_MODES
 
     return isinstance(sysm, EngineSystem) and sysm.shape["mode"] not in TARGET_ONLY_MODES
 
@@ -621,7 +621,7 @@ def machine_record(cpu_kernels: bool = True) -> dict:
     import torch
 
     from swiftspec import ops
-    from swiftspec.machine_profile import cpu_model_name
+    from swiftspec.engine.machine_profile import cpu_model_name
 
     info: dict[str, str] = {}
     try:

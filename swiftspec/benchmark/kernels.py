@@ -209,7 +209,7 @@ def linear_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODEL
 def int8_linear_cases(threads_list, rounds, iters, models=tuple(MODELS)) -> list[Case]:
     """The draft's int8 layers (gate/up, down_proj, QKV) at TP 1: the CPU twin (called directly,
     whatever the row cut-over of ``ops.int8_linear``) vs torch's int8 kernel, bf16 activations."""
-    from swiftspec.layers.quant import quantize_int8
+    from swiftspec.model_executor.layers.quant import quantize_int8
     from swiftspec.ops import cpu
 
     ext = cpu.load()
@@ -370,7 +370,7 @@ def attention_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MO
 # ---- collectives (2 processes) -----------------------------------------------------------
 def _comm_worker(rank: int, size: int, port: int, ops_: list[str], dtypes: list[str], rounds: int, iters: int,
                  conn) -> None:
-    from swiftspec.parallel import init_world
+    from swiftspec.distributed.parallel import init_world
 
     try:
         if hasattr(os, "sched_setaffinity"):
@@ -428,7 +428,7 @@ def _comm_worker(rank: int, size: int, port: int, ops_: list[str], dtypes: list[
 def comm_cases(ops_, dtypes, rounds, iters, size=2) -> list[Case]:
     import multiprocessing as mp
 
-    from swiftspec.parallel import free_tcp_port
+    from swiftspec.distributed.parallel import free_tcp_port
 
     ctx = mp.get_context("spawn")
     port = free_tcp_port()
@@ -485,7 +485,7 @@ def summary_table(summaries: list[dict]) -> str:
 
 
 def machine() -> str:
-    from swiftspec.machine_profile import cpu_model_name
+    from swiftspec.engine.machine_profile import cpu_model_name
 
     cpu = cpu_model_name()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

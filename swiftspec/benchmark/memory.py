@@ -79,7 +79,7 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0, passes: int = 5) -> f
 
 
 def weight_read_bytes(model, vocab: int | None) -> int:
-    """Bytes of the weights one forward of ``model`` (a :class:`~swiftspec.models.llama.LlamaForCausalLM`)
+    """Bytes of the weights one forward of ``model`` (a :class:`~swiftspec.model_executor.models.llama.LlamaForCausalLM`)
     reads: its decoder layers' (norms aside, biases included) and the LM-head rows below ``vocab``
     (None: all)."""
     layers = sum(p.numel() * p.element_size() for n, p in model.layers.named_parameters() if "norm" not in n)

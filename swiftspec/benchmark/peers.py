@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from swiftspec.metrics import RequestMetrics
+from swiftspec.engine.metrics import RequestMetrics
 
 
 class _Stamps:
@@ -45,11 +45,11 @@ class _Stamps:
 
 def hf_model(model_dir, dtype: torch.dtype, device: torch.device):
     """transformers' model of ``model_dir`` on ``device`` in eval mode: loaded from its weights, or
-    for a random-weights recipe (:mod:`swiftspec.random_weights`) built on the device and filled
+    for a random-weights recipe (:mod:`swiftspec.weights.random_weights`) built on the device and filled
     with the recipe's bytes (the same our loader makes there)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from swiftspec import random_weights
+    from swiftspec.weights import random_weights
 
     if random_weights.recipe(model_dir) is None:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()

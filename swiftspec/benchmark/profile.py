@@ -23,7 +23,7 @@ a candidate beats them by more than ``margin`` (run-to-run noise on a shared mac
 percent, and a winner by noise does worse than the defaults on prompts the profile did not see),
 both in the sweep and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
 The chosen mode is also stored for ``mode="auto"`` on this machine and model pair
-(:mod:`swiftspec.machine_profile`).
+(:mod:`swiftspec.engine.machine_profile`).
 
 On a machine where the engine runs on CUDA the same measurement decides between the GPU layouts:
 ``async`` splits of the GPUs (two or more), ``serial``, ``colocated`` with and without an SM
@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from swiftspec.scheduler import SERIAL_D
+from swiftspec.spec_decode.scheduler import SERIAL_D
 
 
 def candidate_splits(devices: list[int], gpu: bool) -> list[tuple[list[int], list[int]]]:
@@ -100,7 +100,7 @@ def serial_d_candidates(default: int = SERIAL_D) -> list[int]:
 
 
 def _measure(engine, prompts, max_tokens) -> dict:
-    from swiftspec.sampling import SamplingParams
+    from swiftspec.model_executor.sampling import SamplingParams
 
     toks = secs = verifs = 0.0
     t_target, t_draft = [], []
@@ -124,7 +124,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
             max_tokens: int = 128, sweep: bool = False, dtype: str = "auto", devices: list[int] | None = None,
             progress: bool = True, margin: float = 0.05) -> tuple[dict, list[dict], Path]:
     """Measure every candidate; return (chosen configuration dict, all candidate rows, the file
-    where the chosen mode is stored for ``mode="auto"``, :func:`swiftspec.machine_profile.save_profile`).
+    where the chosen mode is stored for ``mode="auto"``, :func:`swiftspec.engine.machine_profile.save_profile`).
 
     The first candidate is the engine's defaults (default split, ``bs``, ``w``, automatic ``d``);
     see :func:`choose` for how ``margin`` keeps it. A sweep winner other than the defaults is
@@ -135,9 +135,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     from transformers import AutoTokenizer
 
     from swiftspec.benchmark.e2e import load_prompts
-    from swiftspec.engine import SHALLOW_TREE, Engine, EngineConfig
-    from swiftspec.loader import resolve_model
-    from swiftspec.sampling import SamplingParams
+    from swiftspec.engine.llm_engine import SHALLOW_TREE, Engine, EngineConfig
+    from swiftspec.weights.loader import resolve_model
+    from swiftspec.model_executor.sampling import SamplingParams
 
     target_dir, draft_dir = resolve_model(target, "target"), resolve_model(draft, "draft")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
@@ -218,7 +218,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
                         "t_target_s": best["t_target_s"], "t_draft_s": best["t_draft_s"],
                         "calibration": list(prompts), "num_prompts": num_prompts, "max_tokens": max_tokens,
                         "date": time.strftime("%Y-%m-%d %H:%M")}
-    from swiftspec.machine_profile import save_profile
+    from swiftspec.engine.machine_profile import save_profile
 
     return out, rows, save_profile(out, target_dir, draft_dir)
 

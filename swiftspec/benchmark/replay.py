@@ -1,9 +1,9 @@
 """``swiftspec bench`` where the checkpoints cannot go: random weights and replayed acceptance.
 
 ``--record-trace FILE`` (with the real pair, ``autoregressive`` among the systems) writes the
-acceptance trace of the run's prompts (:mod:`swiftspec.acceptance`: the target's tokens and their
+acceptance trace of the run's prompts (:mod:`swiftspec.spec_decode.acceptance`: the target's tokens and their
 ranks among the draft's candidates). ``--random-weights`` runs every system on models of the
-real shapes with random weights (:mod:`swiftspec.random_weights`), on the prompts of the trace
+real shapes with random weights (:mod:`swiftspec.weights.random_weights`), on the prompts of the trace
 given by ``--acceptance`` (default: the one shipped with the package, recorded from the default
 pair), each SwiftSpec mode replaying the trace's acceptance (``Engine.generate(replay=...)``) for
 as many tokens as the trace holds (end-of-sequence ignored). The tokens are then not the
@@ -60,10 +60,10 @@ def check(args: argparse.Namespace) -> None:
 
 def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
     """The (target, draft) recipe directories of random weights of the configured shapes
-    (:func:`swiftspec.random_weights.materialize`; the weights are made on the device at load),
+    (:func:`swiftspec.weights.random_weights.materialize`; the weights are made on the device at load),
     with one placeholder tokenizer of the smaller vocabulary for both, as a real pair of one
     family shares its tokenizer."""
-    from swiftspec.random_weights import DEFAULT_CONFIGS, materialize, packaged_config, read_config
+    from swiftspec.weights.random_weights import DEFAULT_CONFIGS, materialize, packaged_config, read_config
 
     paths = (packaged_config(args.target_config) if args.target_config else DEFAULT_CONFIGS[0],
              packaged_config(args.draft_config) if args.draft_config else DEFAULT_CONFIGS[1])
@@ -74,9 +74,9 @@ def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
 
 def trace_prompts(args: argparse.Namespace) -> list[tuple[str, list[int], int, "Replay"]]:
     """The trace's prompts for this run: (dataset, prompt ids, tokens to generate, its
-    :class:`~swiftspec.acceptance.Replay`), the first ``--num-prompts`` of each dataset in
+    :class:`~swiftspec.spec_decode.acceptance.Replay`), the first ``--num-prompts`` of each dataset in
     ``--prompts``, at most ``--max-tokens`` tokens each."""
-    from swiftspec import acceptance
+    from swiftspec.spec_decode import acceptance
 
     doc = acceptance.load(args.acceptance or PACKAGED_TRACE)
     per: dict[str, int] = {}
@@ -97,9 +97,9 @@ def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], l
                  draft_dir: Path, dtype: str, machine: dict) -> None:
     """Rank the target's tokens among the draft's candidates (the draft built as the engine
     builds it: the first ``--config``'s or the default ``draft_quant`` and ``draft_vocab``) and write the trace."""
-    from swiftspec import acceptance
-    from swiftspec.engine import EngineConfig
-    from swiftspec.models.config import ModelConfig
+    from swiftspec.spec_decode import acceptance
+    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.model_executor.models.config import ModelConfig
 
     cfg = EngineConfig.from_json(args.config[0]) if args.config else EngineConfig()
     vocab = min(ModelConfig.from_dir(target_dir).vocab_size, ModelConfig.from_dir(draft_dir).vocab_size)

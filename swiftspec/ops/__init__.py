@@ -9,7 +9,7 @@ Kernels are on by default (``SWIFTSPEC_KERNELS=0`` turns them off); :func:`set_k
 ``kernels=False`` does it in every worker, so the output can be compared with kernels on and off).
 A kernel that fails to build is reported once as a warning and the op falls back to PyTorch.
 The collectives (shared-memory LL all-reduce, fused GEMM + all-reduce) belong to the TP group and
-are chosen in :mod:`swiftspec.parallel`.
+are chosen in :mod:`swiftspec.distributed.parallel`.
 """
 from __future__ import annotations
 
@@ -297,7 +297,7 @@ def native_decoder_layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, 
     """The C++ decoder layer (``csrc/cpu/decoder_layer.cpp``) over these weights: RMSNorm, QKV
     (+ bias), tree attention, o_proj, RMSNorm, gate/up, SiLU * up, down, in one call per step.
 
-    ``qkv``, ``o``, ``gate_up``, ``down``: :class:`swiftspec.layers.gguf.GGUFWeight` (their parts
+    ``qkv``, ``o``, ``gate_up``, ``down``: :class:`swiftspec.model_executor.layers.gguf.GGUFWeight` (their parts
     are referenced, not copied). Its ``forward(x [n, H], residual [n, H] | None, k_cache, v_cache,
     slots, positions, cos_table, sin_table, mask, slot_positions=None)`` returns ``(out, x + residual)``
     in x's dtype (``slot_positions``: see :func:`tree_attention`); at TP > 1 its two halves,
@@ -318,7 +318,7 @@ def native_layers_forward(layers: list, x: torch.Tensor, residual: torch.Tensor 
     """Every decoder layer in one C++ call (``csrc/cpu/decoder_layer.cpp``, ``forward_layers``):
     ``layers`` are :func:`native_decoder_layer` objects in order, layer ``j`` reading and writing
     its keys and values at ``kv_buf[j]`` (``[len(layers), 2, kv_heads, capacity, head_dim]``, a
-    :class:`~swiftspec.models.kv_cache.KVCache`'s buffer); the other arguments as each layer's
+    :class:`~swiftspec.model_executor.models.kv_cache.KVCache`'s buffer); the other arguments as each layer's
     ``forward``. Returns ``(out, x + residual)`` after the last layer, bit-identical to calling
     the layers one by one (it saves the interpreter between them). Use it only where
     :func:`native_layer_twin` holds. Raises RuntimeError on inconsistent shapes."""
@@ -336,7 +336,7 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, slots, positions, cos_tabl
     positions where cache slots hold keys of other positions (the pipeline modes); the PyTorch
     path attends row by row in slot order, which is position order along every tree path.
     ``workspace``: the CUDA kernel's :class:`swiftspec.ops.cuda.TreeAttentionWorkspace` (the KV
-    cache's, see :class:`swiftspec.models.kv_cache.KVCache`); None: one shared per device.
+    cache's, see :class:`swiftspec.model_executor.models.kv_cache.KVCache`); None: one shared per device.
     ``kv_len``: ``[1]`` int64 on q's device, the slots in use (a CUDA graph's live length, its
     mask padded to the capacity); the caller promises ``mask[:, kv_len:]`` is all False, so it
     changes no result: the CUDA kernel attends and splits only those slots, the others ignore it."""

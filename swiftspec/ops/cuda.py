@@ -13,7 +13,7 @@ headers, so they compile on machines with a CPU-only torch. This module
   outputs, passes ``data_ptr()`` and the current stream, and raises :class:`CudaKernelError` with the
   CUDA error name on a nonzero status;
 * holds the IPC helpers and :class:`CudaLLCommunicator`, the CUDA counterpart of the CPU
-  ``swiftspec.comm.ShmCommunicator`` (same ``all_reduce`` / ``gemm_all_reduce`` interface).
+  ``swiftspec.distributed.comm.ShmCommunicator`` (same ``all_reduce`` / ``gemm_all_reduce`` interface).
 
 Semantics of every op are those of :mod:`swiftspec.ops.reference`.
 """

@@ -4,7 +4,7 @@ The weights of a GGUF linear layer stay in the file's block format: a ``[N, row_
 tensor per weight whose row ``n`` is the ``K / QK`` blocks of output feature ``n`` (llama.cpp's
 ``block_q4_0`` / ``block_q5_0`` / ``block_q8_0`` with QK = 32, ``block_q4_K`` / ``block_q5_K`` /
 ``block_q6_K`` with QK = 256; ggml-common.h), or AWQ int4 groups repacked once at load into
-:data:`AWQ4` blocks of 32 (:mod:`swiftspec.awq`). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``)
+:data:`AWQ4` blocks of 32 (:mod:`swiftspec.weights.awq`). The CPU kernel (``csrc/cpu/quant_gemm*.cpp``)
 reads those bytes in place; this module has the same arithmetic in PyTorch:
 
 * :func:`interleave` stores every 8 rows of Q4_K, Q6_K or a 32-value type interleaved (made once at load, read by the
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-# AWQ int4 repacked per 32 values (our own block type, outside ggml's ids; swiftspec/awq.py):
+# AWQ int4 repacked per 32 values (our own block type, outside ggml's ids; swiftspec/weights/awq.py):
 # fp16 scale d, uint8 zero z, a reserved byte, 16 bytes of nibbles in Q4_0's order; w = d * (q - z)
 AWQ4 = 200
 

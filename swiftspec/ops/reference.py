@@ -114,7 +114,7 @@ def gemm_all_reduce(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     """Row-parallel linear: ``all_reduce(x @ w^T) (+ bias)`` over the TP group ``tp``.
 
     Shapes: x ``[M, K_local]``, w ``[N, K_local]``, bias ``[N]`` or None. Returns ``[M, N]`` in x's
-    dtype, identical on every rank. ``tp`` is a :class:`swiftspec.parallel.TPContext`.
+    dtype, identical on every rank. ``tp`` is a :class:`swiftspec.distributed.parallel.TPContext`.
     """
     y = tp.all_reduce(x @ w.t())
     return y + bias if bias is not None else y

@@ -1,0 +1,1 @@
+"""Tensor-parallel groups and their collectives (gloo / NCCL / the LL communicator)."""

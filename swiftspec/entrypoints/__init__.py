@@ -1,0 +1,1 @@
+"""Entry points: the command line (``swiftspec ...``), the OpenAI-compatible server and its protocol."""

@@ -1,0 +1,223 @@
+"""Command line: ``swiftspec generate``, ``serve``, ``bench``, ``profile``, ``worker`` (a remote
+pipeline stage) and the model cache helper ``swiftspec fetch``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model: Hugging Face directory, AWQ checkpoint or GGUF file "
+                                     "(default: the Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
+    p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
+    p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
+    p.add_argument("--mode", choices=["auto", "async", "serial", "colocated", "autoregressive", "ngram", "pipedec",
+                                      "pipeinfer", "pipeline-autoregressive"], default=None,
+                   help="auto = the fastest for this machine (default), async = SwiftSpec, serial = "
+                        "SwiftSpec-base, colocated = SwiftSpec on one GPU (CUDA streams), autoregressive = "
+                        "target only, ngram = target only verifying prompt-lookup proposals (no draft model); "
+                        "with --pipeline-stages: pipedec, pipeinfer, pipeline-autoregressive")
+    p.add_argument("--pipeline-stages", type=int, help="split the target's layers into this many pipeline stages")
+    p.add_argument("--pipeline-order", choices=["layer", "score"], help="pipedec's micro-batches (default layer)")
+    p.add_argument("--remote-stages", type=_int_list, help="pipeline stages started on other hosts by "
+                                                            "`swiftspec worker` (needs --master-port)")
+    p.add_argument("--master-addr", help="this host's address for the pipeline rendezvous (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, help="the pipeline rendezvous port")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default=None,
+                   help="activations, and weights that run dequantized (auto: bfloat16 where the CPU has native bf16)")
+    p.add_argument("--weights", choices=["native", "bfloat16", "float32"], default=None,
+                   help="native = GGUF blocks as in the file, on the quantized kernels (default); "
+                        "bfloat16/float32 = dequantized")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
+                   help="where the models run (auto: CUDA when torch sees a GPU, else CPU)")
+    p.add_argument("--target-devices", type=_int_list, help="comma-separated GPU indices of the target group")
+    p.add_argument("--draft-devices", type=_int_list, help="comma-separated GPU indices of the draft group")
+    p.add_argument("--target-cores", type=_int_list, help="comma-separated CPU cores of the target group")
+    p.add_argument("--draft-cores", type=_int_list, help="comma-separated CPU cores of the draft group")
+    p.add_argument("--target-tp", type=int, help="TP degree (processes) of the target group")
+    p.add_argument("--draft-tp", type=int, help="TP degree (processes) of the draft group")
+    p.add_argument("--bs", type=int, help="subgraph size sent to the target (default 8)")
+    p.add_argument("--w", type=int, help="leaves per draft expansion (default 2)")
+    p.add_argument("--d", type=int, help="expansions per iteration (default: automatic in async, 3 in serial)")
+    p.add_argument("--ngram-min", type=int, help="ngram mode: shortest suffix looked up (default 2)")
+    p.add_argument("--ngram-max", type=int, help="ngram mode: longest suffix looked up (default 4)")
+    p.add_argument("--ngram-tokens", type=int, help="ngram mode: tokens proposed per verification (default 1)")
+    p.add_argument("--max-model-len", type=int, help="context length in tokens (default 4096)")
+    p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="use the compiled kernels (CPU twins / CUDA) where available (default: on)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="on CUDA, replay decode steps from CUDA graphs (default: on)")
+    p.add_argument("--draft-payback", action=argparse.BooleanOptionalAction, default=None,
+                   help="serial mode: run a request on the target alone where the draft's prefill would not "
+                        "pay back within its max tokens (default: on with --mode auto)")
+    p.add_argument("--draft-sms", type=int, metavar="N",
+                   help="colocated mode on CUDA: run the draft on N SMs of a CUDA green context, the target on "
+                        "the whole GPU (default: no partition)")
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
+            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "max_model_len",
+            "kernels", "cuda_graphs", "pipeline_stages", "pipeline_order", "remote_stages", "master_addr",
+            "master_port", "draft_payback", "draft_sms"]
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def make_engine(args: argparse.Namespace):
+    from swiftspec.engine.llm_engine import Engine
+
+    return Engine(args.target, args.draft, config=args.config, cache_dir=args.cache_dir, **engine_kwargs(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swiftspec.model_executor.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+                            logprobs=args.logprobs)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    with make_engine(args) as engine:
+        if args.json:
+            out = engine.generate(prompt, params, chat=not args.no_chat)
+            print(json.dumps(out.to_dict()))
+            return 0
+        out = None
+        for chunk in engine.stream(prompt, params, chat=not args.no_chat):
+            print(chunk.text, end="", flush=True)
+            out = chunk.output or out
+        m = out.metrics
+        print(f"\n\n[{m.mode} ({m.mode_reason})] {m.num_tokens} tokens, {m.tokens_per_s:.1f} tokens/s decode, "
+              f"TTFT {m.ttft_s:.2f} s, compression ratio {m.compression_ratio:.2f}", file=sys.stderr)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from swiftspec.pipeline.worker import worker_cli
+
+    return worker_cli(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from swiftspec.benchmark.e2e import main as bench_main
+
+    return bench_main(args=args)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from swiftspec.benchmark.profile import main as profile_main
+
+    return profile_main(args=args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from swiftspec.weights.loader import resolve_model
+    from swiftspec.entrypoints.server import serve
+
+    name = args.served_model_name or resolve_model(args.target, "target", args.cache_dir).name
+    serve(lambda: make_engine(args), name, args.host, args.port, args.max_queue, args.api_key)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from swiftspec.weights.loader import fetch_default_pair
+
+    target, draft = fetch_default_pair(args.cache_dir)
+    print(json.dumps({"target": str(target), "draft": str(draft)}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swiftspec", description="Latency-first speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("--prompt", help="the user message (read from stdin when omitted)")
+    g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability and its K most likely alternatives")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, metrics)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one decodes; more get 429")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the target's directory name)")
+    _add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="end-to-end benchmark against peers on the evaluation prompt sets")
+    from swiftspec.benchmark.e2e import build_parser as bench_parser
+
+    bench_parser(b)
+    b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="measure candidate configurations and write the fastest as JSON")
+    from swiftspec.benchmark.profile import build_parser as profile_parser
+
+    profile_parser(pr)
+    pr.set_defaults(func=cmd_profile)
+
+    w = sub.add_parser("worker", help="one pipeline stage of an engine whose stage 0 runs on another host")
+    env = os.environ  # torchrun's variables, where it launched us
+    w.add_argument("--stage", "--node-rank", type=int, default=_env_int("RANK"), required="RANK" not in env,
+                   help="this stage's index, 1 .. stages-1 (one stage per host; default: $RANK)")
+    w.add_argument("--stages", "--nnodes", type=int, default=_env_int("WORLD_SIZE"), required="WORLD_SIZE" not in env,
+                   help="the pipeline's length, the engine's pipeline_stages (default: $WORLD_SIZE)")
+    w.add_argument("--master-addr", default=env.get("MASTER_ADDR"), required="MASTER_ADDR" not in env,
+                   help="host of stage 0, the engine (default: $MASTER_ADDR)")
+    w.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"), required="MASTER_PORT" not in env,
+                   help="the engine's master_port (default: $MASTER_PORT)")
+    w.add_argument("--target", help="this host's copy of the target model (default: the default pair's); "
+                                    "its files must hash like stage 0's")
+    w.add_argument("--cores", type=_int_list, help="comma-separated CPU cores (default: all this process may use)")
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the rendezvous")
+    w.add_argument("--cache-dir")
+    w.set_defaults(func=cmd_worker)
+
+    f = sub.add_parser("fetch", help="download, check and convert the default model pair into the cache")
+    f.add_argument("--cache-dir")
+    f.set_defaults(func=cmd_fetch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from swiftspec.engine.llm_engine import EngineError
+    from swiftspec.weights.loader import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ValueError, ModelLoadError, EngineError, FileNotFoundError) as e:
+        print(f"swiftspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The OpenAI API's request parameters and response objects, for :mod:`swiftspec.entrypoints.server`.
+
+Requests are validated here (not by pydantic models), so every bad input gets the OpenAI error
+body ``{"error": {"message", "type", "param", "code"}}`` with status 400 instead of a framework's
+422. Defaults are the API's documented ones: ``temperature`` 1.0, ``top_p`` 1.0, ``n`` 1, no
+``max_tokens`` limit but the context (``/v1/completions``: 16, as the legacy API documents).
+Reference read: the OpenAI API reference (chat completions, completions, streaming chunks).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+from swiftspec.model_executor.sampling import MAX_LOGPROBS, SamplingParams
+
+# Qwen2.5-Coder's fill-in-the-middle tokens (what editors' completion plugins rely on)
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+class APIError(Exception):
+    """An error the client caused (or 429/503/401): status, message, OpenAI error type, param."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise APIError(400, f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}", key)
+    if not lo <= v <= hi:
+        raise APIError(400, f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+    return v
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token asked for, or None: chat ``logprobs`` (bool) + ``top_logprobs``
+    (0-20); completions ``logprobs`` (0-5), as the OpenAI API documents them."""
+    if chat:
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise APIError(400, "'logprobs' must be a boolean", "logprobs")
+        top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        if top is not None and not want:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if want else None
+    return _number(body, "logprobs", None, 0, 5, integer=True)
+
+
+def sampling_params(body: dict, default_max_tokens: int, chat: bool = True) -> tuple[SamplingParams, bool, bool]:
+    """``(params, stream, include_usage)`` from a chat (``chat``) or completions request body.
+
+    Raises:
+        APIError: 400 for ``n`` other than 1, a bad ``logprobs``/``top_logprobs``,
+            ``stop``/``stream_options`` or any number out of range."""
+    if _number(body, "n", 1, 1, 1_000_000, integer=True) != 1:
+        raise APIError(400, "only n = 1 is supported (one completion per request)", "n")
+    logprobs = _logprobs(body, chat)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, default_max_tokens, 1, 1 << 30, integer=True)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise APIError(400, "'seed' must be a non-negative integer", "seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "'stream' must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    params = SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+                            top_p=float(_number(body, "top_p", 1.0, 1e-9, 1.0)), seed=seed,
+                            max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs)
+    return params, stream, bool(opts.get("include_usage"))
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The ``messages`` of a chat request as ``{"role", "content"}`` strings (text parts joined).
+
+    Raises:
+        APIError: 400 when missing, empty or malformed."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise APIError(400, f"messages[{i}] needs a role of system, user, assistant, developer or tool",
+                           "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or text parts", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def completion_prompt(body: dict, tokenizer) -> str | list[int]:
+    """The prompt of a ``/v1/completions`` request: a string, one-element list of strings, or
+    token ids; with ``suffix``, the fill-in-the-middle prompt built from the model's FIM tokens.
+
+    Raises:
+        APIError: 400 for a missing or batched prompt, or a ``suffix`` on a model without FIM
+            tokens."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not ids:
+        raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+                       "prompt")
+    suffix = body.get("suffix")
+    if suffix is None:
+        return prompt
+    if not isinstance(suffix, str) or not isinstance(prompt, str):
+        raise APIError(400, "'suffix' must be a string and needs a string prompt", "suffix")
+    vocab = tokenizer.get_vocab()
+    if not all(t in vocab for t in FIM_TOKENS):
+        raise APIError(400, "this model has no fill-in-the-middle tokens; 'suffix' is not supported", "suffix")
+    pre, suf, mid = FIM_TOKENS
+    return f"{pre}{prompt}{suf}{suffix}{mid}"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(out) -> dict:
+    m = out.metrics
+    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": len(out.token_ids),
+            "total_tokens": m.prompt_tokens + len(out.token_ids)}
+
+
+def extension(out) -> dict:
+    """The ``swiftspec`` object of a response: how this request decoded."""
+    m = out.metrics
+    return {"mode": m.mode, "compression_ratio": m.compression_ratio, "tokens_per_s": m.tokens_per_s,
+            "ttft_s": m.ttft_s}
+
+
+def finish_reason(out) -> str:
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+class TokenText:
+    """Token id -> ``(text, UTF-8 bytes)`` for logprobs. Byte-level BPE vocabularies (GPT-2's byte
+    table, as Qwen's) give each token's exact bytes, so a token holding part of a multi-byte
+    character still has its bytes (its text shows U+FFFD); other vocabularies: the decoded token."""
+
+    def __init__(self, tokenizer):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        self.tokenizer = tokenizer
+        self.byte_of = {c: b for b, c in bytes_to_unicode().items()}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        if piece and all(ch in self.byte_of for ch in piece):
+            raw = bytes(self.byte_of[ch] for ch in piece)
+        else:
+            raw = self.tokenizer.decode([token_id]).encode()
+        return raw.decode("utf-8", errors="replace"), raw
+
+
+def _lp(v: float) -> float:
+    return max(v, -9999.0)  # JSON has no -inf; the OpenAI API reports -9999.0 for "impossible"
+
+
+def chat_logprobs(lps, token_text: TokenText) -> dict | None:
+    """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+    or None when not asked for (``lps`` None)."""
+    if lps is None:
+        return None
+
+    def entry(tid: int, v: float) -> dict:
+        text, raw = token_text(tid)
+        return {"token": text, "logprob": _lp(v), "bytes": list(raw)}
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                        for x in lps]}
+
+
+def completion_logprobs(lps, token_text: TokenText, offset: int = 0) -> dict | None:
+    """A completion choice's legacy ``logprobs``: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> logprob) and ``text_offset`` (characters, from ``offset``)."""
+    if lps is None:
+        return None
+    tokens = [token_text(x.token_id)[0] for x in lps]
+    starts = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
+    return {"tokens": tokens, "token_logprobs": [_lp(x.logprob) for x in lps],
+            "top_logprobs": [{token_text(t)[0]: _lp(v) for t, v in x.top} for x in lps], "text_offset": starts}
+
+
+def chat_response(rid: str, model: str, out, token_text: TokenText | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                         "finish_reason": finish_reason(out),
+                         "logprobs": chat_logprobs(out.logprobs, token_text)}],
+            "usage": usage(out), "swiftspec": extension(out)}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]}
+
+
+def completion_response(rid: str, model: str, out, token_text: TokenText | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": out.text, "finish_reason": finish_reason(out),
+                         "logprobs": completion_logprobs(out.logprobs, token_text)}],
+            "usage": usage(out), "swiftspec": extension(out)}
+
+
+def completion_chunk(rid: str, model: str, text: str, reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}]}
