@@ -162,9 +162,9 @@ class Engine:
         if self.device == "cuda":
             import torch
 
-            # the GPUs the engine will use (async with an unset split takes all of them)
+            # the GPUs the engine will use (async with an unset split takes all of them); ranks may share one
             ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
-            gpus = len(ids)
+            gpus = len(set(ids))
         self.target_path = resolve_model(target, "target", cache_dir)
         profiled = draft_path = None
         if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
