@@ -132,6 +132,9 @@ class Engine:
         config: an :class:`EngineConfig`, or a path to a JSON file of one; keyword arguments
             override its fields (e.g. ``Engine(mode="serial", dtype="float32")``).
         cache_dir: model cache (default ``$SWIFTSPEC_CACHE`` or ``~/.cache/swiftspec``).
+    Attributes:
+        workers: one dict per worker process, as it reported when ready
+            (:func:`swiftspec.worker.ready_info`: pid, device, ``comm_backend``, CUDA graphs, ...).
     Raises:
         swiftspec.loader.ModelLoadError: a model path is missing or not a supported format.
         TokenizerMismatchError: the draft's vocabulary differs from the target's.
@@ -239,6 +242,7 @@ class Engine:
             groups.append(list(range(rank, rank + g.tp)))
             rank += g.tp
         world = rank
+        world_devices = [d for g in layout for d in g.devices]  # ranks sharing a GPU: gloo + LL collectives
         pipelined = self.config.pipeline_stages > 1
         port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
         if pipelined:
@@ -274,7 +278,8 @@ class Engine:
                                   stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
                                   master_addr=self.config.master_addr,
                                   start_timeout_s=self.config.start_timeout_s,
-                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms)
+                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms,
+                                  world_devices=world_devices)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]
@@ -312,7 +317,10 @@ class Engine:
         return [(r.start, r.stop) for r in partition_layers(layers, self.config.pipeline_stages, head, draft)]
 
     def _wait_ready(self) -> None:
+        """Wait for every worker's ``("ready", pid[, info])``; ``self.workers`` gets each worker's
+        info (:func:`swiftspec.worker.ready_info`; ``{"pid": pid}`` from a pipeline stage)."""
         pending = set(range(len(self._procs)))
+        self.workers: list[dict] = [{} for _ in self._procs]
         deadline = time.monotonic() + self.config.start_timeout_s
         while pending:
             left = deadline - time.monotonic()
@@ -323,6 +331,7 @@ class Engine:
                 if c.poll():
                     msg = self._recv(c)
                     if msg[0] == "ready":
+                        self.workers[i] = msg[2] if len(msg) > 2 else {"pid": msg[1]}
                         pending.discard(i)
             self._check_alive()
             if pending:
