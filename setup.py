@@ -43,7 +43,7 @@ setup(
     extras_require={
         # llama-cpp-python builds llama.cpp from source (about 4 minutes on 2 cores): the llama.cpp
         # peer of the benchmark, and its test; scripts/setup_env.sh sets its CMAKE_ARGS
-        "test": ["pytest", "scipy", "matplotlib", "openai", "httpx", "llama-cpp-python"],
+        "test": ["pytest", "scipy", "matplotlib", "openai", "httpx", "llama-cpp-python", "import-linter"],
         "bench": ["matplotlib", "llama-cpp-python"],
     },
     entry_points={"console_scripts": ["swiftspec=swiftspec.entrypoints.cli:main"]},

@@ -38,7 +38,9 @@ def _trace_of(engine_ar, draft_dir, prompts, n):
     """The acceptance trace of the tiny pair (target tokens from the autoregressive engine)."""
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     runs = [("p", engine_ar.encode(p, False), engine_ar.generate(p, params).token_ids) for p in prompts]
-    return acceptance.record(runs, draft_dir, "float32", "int8", None)
+    from swiftspec.benchmark.replay import record
+
+    return record(runs, draft_dir, "float32", "int8", None)
 
 
 @pytest.mark.parametrize("mode", ["serial", "async", "colocated"])

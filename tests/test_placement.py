@@ -11,8 +11,8 @@ import torch.distributed as dist
 from swiftspec import Engine
 
 from swiftspec.engine import llm_engine as engine
-from swiftspec.engine.placement import (PlacementError, backend_for, plan_groups, resolve_device, split_cores,
-                                 split_gpus)
+from swiftspec.distributed.parallel import backend_for, control_backend, shares_gpu
+from swiftspec.engine.placement import PlacementError, plan_groups, resolve_device, split_cores, split_gpus
 
 
 def _cuda_visible(monkeypatch, n: int):
@@ -56,14 +56,35 @@ def test_gpu_split_errors():
     assert split_gpus(4, [2, 3], [0], True) == ([2, 3], [0])
     assert split_gpus(4, [1], [3], False) == ([1, 3], [])
     for args, msg in [((1, None, None, True), "one GPU per group"),
+                      ((1, None, None, True), r"target_devices=\[0\], draft_devices=\[0\]"),
                       ((2, [0], None, True), "or neither"),
-                      ((2, [0, 1], [1], True), "disjoint"),
                       ((2, [0], [2], True), r"out of range.*2 CUDA"),
-                      ((2, [0, 0], [1], True), "repeats"),
-                      ((2, [], [1], True), "empty"),
-                      ((2, [0], [0], False), "overlap")]:
+                      ((2, [0, 0, 2], [1], True), r"target_devices \[2\] out of range"),
+                      ((2, [], [1], True), "empty")]:
         with pytest.raises(PlacementError, match=msg):
             split_gpus(*args)
+
+
+def test_a_gpu_named_twice_is_a_rank_each():
+    """Every entry is one rank (one process): a repeated index is several ranks on one GPU, and
+    the async groups may name the same GPU (the layouts of a one-GPU machine)."""
+    assert split_gpus(1, [0, 0], None, False) == ([0, 0], [])
+    assert split_gpus(1, [0], [0], False) == ([0, 0], [])  # one group: target + draft entries
+    assert split_gpus(1, [0], [0], True) == ([0], [0])
+    assert split_gpus(1, [0, 0], [0], True) == ([0, 0], [0])
+    assert split_gpus(2, [0, 1], [1], True) == ([0, 1], [1])
+
+
+def test_control_backend_is_gloo_where_a_group_shares_a_gpu():
+    assert shares_gpu(["cuda:0", "cuda:0"]) and not shares_gpu(["cuda:0", "cuda:1"])
+    assert not shares_gpu(["cpu", "cpu"]) and not shares_gpu(["cuda:0"])
+    assert control_backend("cpu", [["cpu", "cpu"], ["cpu"]]) == "gloo"
+    assert control_backend("cuda", [["cuda:0", "cuda:1"], ["cuda:2"]]) == "nccl"
+    assert control_backend("cuda", [["cuda:0", "cuda:0"]]) == "gloo"
+    assert control_backend("cuda", [["cuda:0", "cuda:1"], ["cuda:1", "cuda:1"]]) == "gloo"
+    # groups that only share a GPU with each other: no collective spans two groups, NCCL stays
+    assert control_backend("cuda", [["cuda:0"], ["cuda:0"]]) == "nccl"
+    assert control_backend("cuda", [["cuda:0", "cuda:1"], ["cuda:0"]]) == "nccl"
 
 
 def test_split_cores():
@@ -104,10 +125,50 @@ def test_plan_groups_cuda():
     assert t.cores == d.cores == [[5]]
     with pytest.raises(PlacementError, match="TP degree is 3"):
         plan_groups(_cfg(mode="async", target_tp=2), "cuda", "T", "D", [0, 1], n_gpus=4)
+    with pytest.raises(PlacementError, match="TP degree is 2"):
+        plan_groups(_cfg(mode="autoregressive", target_tp=3, target_devices=[0, 1]), "cuda", "T", None, [0], n_gpus=2)
     with pytest.raises(PlacementError, match="mode='colocated'"):
         plan_groups(_cfg(mode="async"), "cuda", "T", "D", [0, 1], n_gpus=1)
     (g,) = plan_groups(_cfg(mode="colocated"), "cuda", "T", "D", [0, 1], n_gpus=1)
     assert g.kind == "colocated" and g.devices == ["cuda:0"] and g.models == {"target": "T", "draft": "D"}
+
+
+def test_plan_groups_with_ranks_sharing_a_gpu():
+    """TP degree = ranks, not distinct GPUs: a repeated index, or ``*_tp`` a multiple of the GPUs
+    listed; the async groups as separate processes on one GPU; ranks sharing a GPU need the kernels
+    (their collectives exist only as LL kernels)."""
+    (g,) = plan_groups(_cfg(mode="autoregressive", target_devices=[0, 0]), "cuda", "T", None, [0, 1], n_gpus=1)
+    assert g.devices == ["cuda:0", "cuda:0"] and g.tp == 2 and g.cores == [[0], [1]]
+    (g,) = plan_groups(_cfg(mode="autoregressive", target_devices=[0], target_tp=2), "cuda", "T", None, [0], n_gpus=1)
+    assert g.devices == ["cuda:0", "cuda:0"] and g.tp == 2 and g.cores == [[0], [0]]
+    (g,) = plan_groups(_cfg(mode="autoregressive", target_devices=[0, 1], target_tp=4), "cuda", "T", None, [0],
+                       n_gpus=2)
+    assert g.devices == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    t, d = plan_groups(_cfg(mode="async", target_devices=[0], draft_devices=[0]), "cuda", "T", "D", [0, 1], n_gpus=1)
+    assert (t.devices, d.devices, t.models, d.models) == (["cuda:0"], ["cuda:0"], {"target": "T"}, {"draft": "D"})
+    t, d = plan_groups(_cfg(mode="async", target_devices=[0, 0], draft_devices=[0]), "cuda", "T", "D", [0, 1, 2],
+                       n_gpus=1)
+    assert (t.tp, d.tp, t.devices + d.devices) == (2, 1, ["cuda:0"] * 3)
+    assert control_backend("cuda", [t.devices, d.devices]) == "gloo"
+    with pytest.raises(PlacementError, match="several ranks on one GPU.*kernels=True"):
+        plan_groups(_cfg(mode="autoregressive", target_devices=[0, 0], kernels=False), "cuda", "T", None, [0],
+                    n_gpus=1)
+    # kernels off is fine where no group puts two ranks on one GPU
+    t, d = plan_groups(_cfg(mode="async", target_devices=[0], draft_devices=[0], kernels=False), "cuda", "T", "D",
+                       [0], n_gpus=1)
+    assert t.tp == d.tp == 1
+
+
+def test_devices_from_the_command_line_may_repeat():
+    from swiftspec.entrypoints import cli
+
+    args = cli.build_parser().parse_args(["generate", "--device", "cuda", "--mode", "async", "--target-devices",
+                                          "0,0", "--draft-devices", "0"])
+    cfg = engine.EngineConfig(**cli.engine_kwargs(args))
+    assert (cfg.target_devices, cfg.draft_devices) == ([0, 0], [0])
+    (g,) = plan_groups(_cfg(mode="autoregressive", target_devices=cfg.target_devices), "cuda", "T", None, [0],
+                       n_gpus=1)
+    assert g.tp == 2
 
 
 def test_auto_mode_on_gpus():

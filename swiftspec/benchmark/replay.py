@@ -104,9 +104,58 @@ def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], l
     cfg = EngineConfig.from_json(args.config[0]) if args.config else EngineConfig()
     vocab = min(ModelConfig.from_dir(target_dir).vocab_size, ModelConfig.from_dir(draft_dir).vocab_size)
     draft_vocab = cfg.draft_logits_vocab(vocab)
-    entries = acceptance.record(prompts, draft_dir, dtype, cfg.draft_quant_method, draft_vocab)
+    entries = record(prompts, draft_dir, dtype, cfg.draft_quant_method, draft_vocab)
     acceptance.save(args.record_trace, entries, target=Path(target_dir).name, draft=Path(draft_dir).name,
                     dtype=dtype, machine=machine, draft_vocab=draft_vocab, draft_quant=cfg.draft_quant)
     s = acceptance.summary(acceptance.load(args.record_trace))
     print(f"acceptance trace: {args.record_trace} ({len(entries)} prompts, {s['positions']} positions; the draft's "
           f"first choice {s['top1']:.1%}, among its first 4 {s['top4']:.1%})")
+
+
+def draft_ranks(runner, prompt_ids: list[int], tokens: list[int],
+                k: int | None = None) -> tuple[list[int | None], list[list[float]]]:
+    """Rank of each target token among the draft's ``k`` most likely next tokens, teacher-forced,
+    and the draft's ``LOGPROBS_K`` highest log-probabilities at each position.
+
+    Args:
+        runner: the draft's :class:`swiftspec.model_executor.runner.ModelRunner`, built as the engine builds it
+            (same weights, ``draft_quant`` and ``logits_vocab``), KV capacity at least
+            ``len(prompt_ids) + len(tokens)``.
+        prompt_ids: ``[P]`` prompt token ids.
+        tokens: ``[T]`` the target's generated tokens.
+        k: candidates per position (default :data:`swiftspec.spec_decode.acceptance.RANKS_K`).
+    Returns:
+        ``[T]`` ranks (0 = the draft's most likely token; None: not among its first ``k``) and
+        ``[T, LOGPROBS_K]`` log-probabilities (rounded to 1e-4), heaviest first.
+    """
+    import torch
+
+    from swiftspec.spec_decode.acceptance import LOGPROBS_K, RANKS_K
+
+    k = k or RANKS_K
+    seq = list(prompt_ids) + list(tokens[:-1])
+    n = len(seq)
+    pos = torch.arange(n)
+    rows = torch.arange(len(prompt_ids) - 1, n)  # row i predicts tokens[i - P + 1]
+    values, ids = runner.forward(torch.tensor(seq), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), rows, k)
+    ranks: list[int | None] = [c.index(t) if t in c else None for t, c in zip(tokens, ids.tolist())]
+    return ranks, [[round(v, 4) for v in row] for row in values[:, :LOGPROBS_K].tolist()]
+
+
+def record(prompts: list[tuple[str, list[int], list[int]]], draft_dir, dtype: str, draft_quant: str | None,
+           draft_vocab: int | None, k: int | None = None) -> list[dict]:
+    """The trace's prompt entries: ``prompts`` = (dataset, prompt ids, the target's tokens) per
+    prompt; the draft is loaded here (native weights, as the engine loads it)."""
+    import torch
+
+    from swiftspec.model_executor.runner import ModelRunner
+
+    longest = max(len(p) + len(t) for _, p, t in prompts)
+    runner = ModelRunner(str(draft_dir), dtype=getattr(torch, dtype), capacity=-(-longest // 256) * 256,
+                         quant=draft_quant, logits_vocab=draft_vocab)
+    out = []
+    with torch.inference_mode():
+        for ds, p, t in prompts:
+            ranks, lps = draft_ranks(runner, p, t, k)
+            out.append({"dataset": ds, "prompt_ids": list(p), "tokens": list(t), "ranks": ranks, "logprobs": lps})
+    return out

@@ -48,6 +48,8 @@ class ShmCommunicator:
     failure (later calls raise at once).
     """
 
+    backend = "shm"  # what swiftspec.distributed.parallel.TPContext.comm_backend reports for a group on it
+
     def __init__(self, comm, rank: int, size: int):
         self._comm = comm
         self.rank = rank

@@ -3,9 +3,16 @@
 A *group* (draft group or target group, docs/architecture.md §1) is a set of processes that shard one model
 Megatron style. On CPU the collectives run over torch.distributed with the gloo backend; on CUDA
 over NCCL. ``TPContext`` is what a layer sees: its rank inside the group, the group size (the TP
-degree) and the collectives it needs. On CPU, when every rank of a group runs on one host, a group
-can also carry a shared-memory communicator (:mod:`swiftspec.distributed.comm`, the LL all-reduce of the SwiftSpec paper
-section 6): the all-reduce and the row-parallel GEMM + all-reduce then use it instead of gloo.
+degree) and the collectives it needs. A group can also carry an LL communicator (the LL all-reduce
+of the SwiftSpec paper section 6): on CPU, when every rank runs on one host, the shared-memory one
+(:mod:`swiftspec.distributed.comm`); on CUDA the IPC one (:class:`swiftspec.ops.cuda.CudaLLCommunicator`). The
+all-reduce, the row-parallel GEMM + all-reduce and (off NCCL) the LM head's all-gather then use it.
+
+Where a group puts two ranks on one GPU, NCCL cannot be used at all: the process groups are gloo
+(a CPU control plane that only exchanges the LL buffers' IPC handles and runs barriers), and every
+collective on the group's CUDA tensors runs on the LL kernels; :func:`init_world` raises instead of
+falling back when those cannot be set up. LL collectives are plain kernels on device buffers, so a
+TP > 1 decode step on them can be captured in a CUDA graph (:func:`graph_ban`).
 """
 from __future__ import annotations
 
@@ -18,7 +25,38 @@ import torch
 import torch.distributed as dist
 
 from swiftspec import ops
-from swiftspec.engine.placement import backend_for
+
+PROBE = "scripts/gpu_probe.py"  # records whether CUDA IPC (and MPS) work on a GPU machine
+
+
+def backend_for(device_type: str) -> str:
+    """The torch.distributed backend for tensors on ``device_type``: "nccl" for "cuda", else "gloo"."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def shares_gpu(devices: list[str]) -> bool:
+    """Whether two entries of ``devices`` (one group's rank devices, e.g. ``["cuda:0", "cuda:0"]``)
+    name the same GPU."""
+    gpus = [d for d in devices if d.startswith("cuda")]
+    return len(set(gpus)) < len(gpus)
+
+
+def control_backend(device_type: str, groups: list[list[str]]) -> str:
+    """The torch.distributed backend of the world's process groups (their control plane).
+
+    Args:
+        device_type: "cpu" or "cuda", where the ranks' tensors live.
+        groups: each TP group's rank devices, e.g. ``[["cuda:0", "cuda:0"], ["cuda:0"]]``.
+
+    Returns "gloo" on CPU; on CUDA "gloo" when some group has two ranks on one GPU (NCCL refuses
+    such a communicator; those groups' collectives must then run on the CUDA LL communicator),
+    else "nccl". Groups that only share a GPU with another group keep NCCL: no collective ever
+    spans two groups (the world group is never used for one, so NCCL never builds its communicator).
+    """
+    if device_type != "cuda":
+        return "gloo"
+    return "gloo" if any(shares_gpu(g) for g in groups) else "nccl"
+
 
 
 @dataclass(frozen=True)
@@ -32,12 +70,25 @@ class TPContext:
         shm: the group's LL communicator, or None (gloo / NCCL): a
             :class:`swiftspec.distributed.comm.ShmCommunicator` on CPU, a
             :class:`swiftspec.ops.cuda.CudaLLCommunicator` on CUDA (same interface).
+        control: the torch.distributed backend of ``group`` ("gloo" or "nccl"), None without one.
     """
 
     rank: int = 0
     size: int = 1
     group: object | None = None
     shm: object | None = None
+    control: str | None = None
+
+    @property
+    def comm_backend(self) -> str:
+        """What carries this rank's collectives: "local" (size 1, none), "ll" (the CUDA LL
+        communicator), "shm" (the CPU shared-memory one), else the process group's backend
+        ("gloo" / "nccl")."""
+        if self.size == 1:
+            return "local"
+        if self.shm is not None:
+            return getattr(self.shm, "backend", "shm")
+        return self.control or "gloo"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group in place (identity when size is 1). Returns ``x``.
@@ -46,7 +97,9 @@ class TPContext:
         otherwise over the process group (bf16 / fp16 reduced in float32).
         """
         if self.size > 1 and self.shm is not None:
-            return self.shm.all_reduce(x)
+            if x.is_contiguous():
+                return self.shm.all_reduce(x)
+            return x.copy_(self.shm.all_reduce(x.contiguous()))  # the CUDA kernels take contiguous tensors
         if self.size > 1:
             # gloo reduces bf16 poorly and not at all for some ops; reduce in fp32 for identical bits.
             if x.dtype != torch.float32:
@@ -69,7 +122,8 @@ class TPContext:
         """
         if self.size > 1 and self.shm is not None:
             lead = x.shape[:-1]
-            y = self.shm.gemm_all_reduce(x.reshape(-1, x.shape[-1]), w, bias)
+            y = self.shm.gemm_all_reduce(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(),
+                                         None if bias is None else bias.contiguous())
             return y.view(*lead, y.shape[-1])
         if self.size == 1:  # nothing to reduce: the bias goes into the GEMM (one rounding)
             return ops.linear(x, w, bias)
@@ -80,12 +134,14 @@ class TPContext:
         """Concatenate every rank's ``x`` along the last dimension, in rank order.
 
         Shapes: ``x`` is ``[..., n]`` on every rank; the result is ``[..., size * n]``.
-        With a CPU ``shm`` it is an all-reduce of ``x`` placed in a zero buffer (adding zeros keeps every
-        value, -0.0 aside; 0.2 ms against gloo's 0.4-0.7 for a 1-row LM head of 2 x 76k logits).
+        With ``shm`` and no NCCL group (a CPU group, or a CUDA group of ranks sharing a GPU) it is an
+        all-reduce of ``x`` placed in a zero buffer: there is no LL all-gather kernel, and adding
+        zeros keeps every value (-0.0 becomes 0.0; -inf stays). On CPU that took 0.2 ms against gloo's
+        0.4-0.7 for a 1-row LM head of 2 x 76k logits. With NCCL, NCCL's all-gather.
         """
         if self.size == 1:
             return x
-        if self.shm is not None and x.device.type == "cpu":
+        if self.shm is not None and (x.device.type == "cpu" or self.control != "nccl"):
             n = x.shape[-1]
             out = x.new_zeros(*x.shape[:-1], self.size * n)
             out[..., self.rank * n:(self.rank + 1) * n] = x
@@ -96,6 +152,21 @@ class TPContext:
 
 
 LOCAL = TPContext()
+
+
+def graph_ban(tp: TPContext) -> str | None:
+    """Why this rank's decode steps may not be captured in CUDA graphs, or None when they may.
+
+    A capture records every collective of the step. At TP = 1 there is none; the CUDA LL
+    communicator's collectives are kernels on device buffers with the epoch in device memory
+    (capturable, replayable). NCCL and gloo collectives are not captured here (NCCL could be, on
+    recent torch, but this engine has never run it so), nor the CPU shared-memory communicator.
+    """
+    if tp.size == 1 or tp.comm_backend == "ll":
+        return None
+    return (f"TP = {tp.size} over {tp.comm_backend}: only the CUDA LL communicator's collectives are captured "
+            "in CUDA graphs, so decode steps run eagerly")
+
 
 PAD = -1  # global index of a padded (all-zero) feature, row or head in a rank's shard
 
@@ -125,25 +196,42 @@ def free_tcp_port() -> int:
 
 def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
                timeout_s: float = 60.0, *, shm_comm: bool = False,
-               device_type: str = "cpu") -> list[TPContext | None]:
+               device_type: str = "cpu", devices: list[str] | None = None) -> list[TPContext | None]:
     """Join the torch.distributed world and build one TP group per entry of ``groups``.
 
-    Every process must call this with the same ``groups`` (torch.distributed requires all ranks
-    to take part in creating every subgroup). ``device_type`` is where this rank's tensors live
-    ("cpu" or "cuda", the same on every rank): it picks gloo or NCCL
-    (:func:`swiftspec.engine.placement.backend_for`); a CUDA rank sets its device before calling. Returns, for each entry, this rank's TPContext, or
-    None when this rank is not a member.
+    Every process must call this with the same ``groups`` and ``devices`` (torch.distributed
+    requires all ranks to take part in creating every subgroup). ``device_type`` is where this
+    rank's tensors live ("cpu" or "cuda", the same on every rank); a CUDA rank sets its device
+    before calling. ``devices``: the device string of every global rank (``world_size`` entries,
+    e.g. ``["cuda:0", "cuda:0", "cuda:0"]``), or None (every rank on its own device): with it the
+    control backend is :func:`control_backend` (gloo where a group puts two
+    ranks on one GPU), without it :func:`backend_for`. Returns, for each entry,
+    this rank's TPContext, or None when this rank is not a member.
 
     With ``shm_comm``, every group of two or more ranks gets an LL communicator (``TPContext.shm``,
     waiting at most ``timeout_s`` for a peer): on CPU the shared-memory one when all its ranks run
     on one host and can load the CPU extension, on CUDA the IPC one; otherwise the group keeps
-    gloo / NCCL, with a warning.
+    gloo / NCCL, with a warning. A CUDA world on gloo has no such fallback: its groups' collectives
+    exist only as LL kernels.
 
     Raises:
-        RuntimeError: the rendezvous did not complete within ``timeout_s`` seconds, or shared
-            memory could not be set up.
+        RuntimeError: the rendezvous did not complete within ``timeout_s`` seconds, shared memory
+            could not be set up, or a CUDA world on gloo has a group of two or more ranks without
+            ``shm_comm`` or whose CUDA LL communicator cannot be set up (the message names
+            :data:`PROBE`).
+        ValueError: ``devices`` does not have ``world_size`` entries.
     """
-    backend = backend_for(device_type)
+    if devices is None:
+        backend = backend_for(device_type)
+    else:
+        if len(devices) != world_size:
+            raise ValueError(f"devices names {len(devices)} ranks, the world has {world_size}")
+        backend = control_backend(device_type, [[devices[r] for r in members] for members in groups])
+    ll_only = device_type == "cuda" and backend == "gloo"
+    if ll_only and not shm_comm and any(len(m) > 1 for m in groups):
+        # decided alike on every rank, before any of them waits in the rendezvous
+        raise RuntimeError("ranks sharing a GPU run their collectives on the CUDA LL communicator only "
+                           "(NCCL refuses a GPU used by two ranks); it needs the kernels on (kernels=True)")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     pgs = [dist.new_group(members, backend=backend) if len(members) > 1 else None for members in groups]
@@ -153,23 +241,31 @@ def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
             out.append(None)
             continue
         shm = None
-        if shm_comm and backend == "gloo" and len(members) > 1:
+        if shm_comm and len(members) > 1 and device_type == "cuda":
+            shm = _group_cuda_ll(pg, members.index(rank), len(members), timeout_s, required=ll_only)
+        elif shm_comm and backend == "gloo" and len(members) > 1:
             # collective over the group's members only, in the order of `groups` on every rank
             shm = _group_shm(pg, members.index(rank), len(members), timeout_s)
-        elif shm_comm and backend == "nccl" and len(members) > 1:
-            shm = _group_cuda_ll(pg, members.index(rank), len(members), timeout_s)
-        out.append(TPContext(rank=members.index(rank), size=len(members), group=pg, shm=shm))
+        out.append(TPContext(rank=members.index(rank), size=len(members), group=pg, shm=shm,
+                             control=backend if pg is not None else None))
     return out
 
 
-def _group_cuda_ll(pg, rank: int, size: int, timeout_s: float):
-    """The CUDA LL communicator (IPC buffers, csrc/kernels/ll_comm.cu) for the group, or None when
-    it cannot be set up (its constructor is collective: every rank raises alike and keeps NCCL)."""
+def _group_cuda_ll(pg, rank: int, size: int, timeout_s: float, required: bool = False):
+    """The CUDA LL communicator (IPC buffers, csrc/kernels/ll_comm.cu) for the group. When it cannot
+    be set up (its constructor is collective: every rank fails alike) it returns None and the group
+    keeps NCCL, or, with ``required`` (a gloo group on CUDA: nothing else can carry its
+    collectives), raises RuntimeError naming :data:`PROBE`."""
     from swiftspec.ops.cuda import CudaLLCommunicator
 
     try:
         return CudaLLCommunicator(pg, rank, size, timeout_s=timeout_s)
-    except Exception as e:  # no peer access, build failure, old driver: NCCL still works
+    except Exception as e:  # no peer access, build failure, old driver
+        if required:
+            raise RuntimeError(
+                f"the CUDA LL communicator could not be set up ({type(e).__name__}: {e}); ranks that share a GPU "
+                f"have no other collective path (no NCCL, no silent fallback). Run `python {PROBE} --out probe.json` "
+                "on this machine: its cuda_ipc check records whether CUDA IPC between processes works here") from e
         warnings.warn(f"shm_comm: CUDA LL communicator unavailable ({e}); using NCCL", stacklevel=3)
         return None
 

@@ -11,14 +11,14 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from swiftspec.engine.placement import DEVICES
+from swiftspec.pipeline import MODES as PIPELINE_MODES
 from swiftspec.spec_decode.draft_state import TreeParams
 from swiftspec.spec_decode.ngram import NgramParams
-from swiftspec.engine.placement import DEVICES
 
 MODES = ("async", "serial", "colocated", "autoregressive", "ngram", "pipedec", "pipeinfer", "pipeline-autoregressive")
 # the modes that run the target alone (no draft model is loaded)
 TARGET_ONLY_MODES = ("autoregressive", "ngram", "pipeline-autoregressive")
-PIPELINE_MODES = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 WEIGHT_FORMATS = ("native", "bfloat16", "float32")
 
 
@@ -59,15 +59,19 @@ class EngineConfig:
             kernel for GGUF blocks yet), the draft unquantized; greedy tokens and the draft's
             top-k are reduced on the device (sampled requests bring logits rows to the host);
             on one GPU auto picks "autoregressive" (measured fastest there; see :func:`choose_mode`).
-        target_devices / draft_devices: GPU indices of each group (async; one process per GPU, so
-            a group's TP degree is its GPU count); serial and autoregressive use
-            ``target_devices + draft_devices``. Default: the draft gets the last ⌈n/4⌉ GPUs.
+        target_devices / draft_devices: GPU indices of each group's ranks (async; one process per
+            entry, so a group's TP degree is its number of entries); serial and autoregressive use
+            ``target_devices + draft_devices``. An index may repeat: ``[0, 0]`` is TP = 2 on GPU 0,
+            and async groups may name the same GPU (separate processes on it); a group with two
+            ranks on one GPU runs its collectives on the CUDA LL kernels over a gloo control group
+            (NCCL refuses it; :func:`swiftspec.distributed.parallel.control_backend`). Default: the draft gets
+            the last ⌈n/4⌉ GPUs.
         target_cores / draft_cores: CPU cores of each group (async); serial and autoregressive
             use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
             On CUDA the host cores of the group's processes.
         target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
-            evenly among its ranks, each running that many threads. On CUDA 1 or the group's
-            GPU count.
+            evenly among its ranks, each running that many threads. On CUDA 1 (one rank per
+            listed GPU), the number of listed GPUs, or a multiple of it (that many ranks per GPU).
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
             8, 2, w, 1024, 256.
         ngram_min / ngram_max / ngram_tokens: the "ngram" mode's lookup lengths and proposal
@@ -87,8 +91,10 @@ class EngineConfig:
             environment has ``SWIFTSPEC_KERNELS=0``.
         cuda_graphs: on CUDA, replay each decode step (not the prefill) from a CUDA graph
             captured per bucket of rows (powers of two up to the tree's ``bs`` / expansion sizes;
-            :class:`swiftspec.model_executor.graphs.PaddedStep`); TP = 1 only (at TP > 1 steps run eagerly); ignored
-            on CPU. Not yet run on GPU hardware.
+            :class:`swiftspec.model_executor.graphs.PaddedStep`); at TP > 1 only where the group's collectives
+            run on the CUDA LL communicator (otherwise steps run eagerly;
+            :func:`swiftspec.distributed.parallel.graph_ban`); ignored on CPU. TP > 1 capture not yet run on
+            GPU hardware.
         draft_payback: serial mode: per request, prefill the draft only where that pays back
             within the request's token budget, else run it on the target alone
             (:mod:`swiftspec.spec_decode.payback`; the request's ``metrics.mode`` then says

@@ -28,7 +28,9 @@ from swiftspec.engine.metrics import RequestMetrics
 from swiftspec.engine.placement import Group, PlacementError, plan_groups
 from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
 from swiftspec.spec_decode.scheduler import Request
-from swiftspec.engine.worker import ROLE_DRAFT, ROLE_TARGET, WorkerSpec, worker_main
+from swiftspec.engine.worker import WorkerSpec, worker_main
+from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
+from swiftspec.pipeline.worker import stage_main
 
 if TYPE_CHECKING:
     from swiftspec.spec_decode.acceptance import Replay
@@ -132,6 +134,9 @@ class Engine:
         config: an :class:`EngineConfig`, or a path to a JSON file of one; keyword arguments
             override its fields (e.g. ``Engine(mode="serial", dtype="float32")``).
         cache_dir: model cache (default ``$SWIFTSPEC_CACHE`` or ``~/.cache/swiftspec``).
+    Attributes:
+        workers: one dict per worker process, as it reported when ready
+            (:func:`swiftspec.engine.worker.ready_info`: pid, device, ``comm_backend``, CUDA graphs, ...).
     Raises:
         swiftspec.weights.loader.ModelLoadError: a model path is missing or not a supported format.
         TokenizerMismatchError: the draft's vocabulary differs from the target's.
@@ -162,9 +167,9 @@ class Engine:
         if self.device == "cuda":
             import torch
 
-            # the GPUs the engine will use (async with an unset split takes all of them)
+            # the GPUs the engine will use (async with an unset split takes all of them); ranks may share one
             ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
-            gpus = len(ids)
+            gpus = len(set(ids))
         self.target_path = resolve_model(target, "target", cache_dir)
         profiled = draft_path = None
         if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
@@ -239,6 +244,7 @@ class Engine:
             groups.append(list(range(rank, rank + g.tp)))
             rank += g.tp
         world = rank
+        world_devices = [d for g in layout for d in g.devices]  # ranks sharing a GPU: gloo + LL collectives
         pipelined = self.config.pipeline_stages > 1
         port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
         if pipelined:
@@ -274,7 +280,8 @@ class Engine:
                                   stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
                                   master_addr=self.config.master_addr,
                                   start_timeout_s=self.config.start_timeout_s,
-                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms)
+                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms,
+                                  world_devices=world_devices)
                 parent, child = ctx.Pipe()
                 if j == 0:
                     followers = [p[0] for p in follower_pipes]
@@ -284,7 +291,9 @@ class Engine:
                         self._leader_conns[kind] = parent
                 else:
                     followers, leader, peer = [], follower_pipes[j - 1][1], None
-                p = ctx.Process(target=worker_main, args=(spec, child, followers, leader, peer),
+                # the engine picks the process entry point: a pipeline stage, or a TP rank of a group
+                p = ctx.Process(target=stage_main if spec.stages > 1 else worker_main,
+                                args=(spec, child, followers, leader, peer),
                                 name=f"swiftspec-{kind}-{gi if kind == 'stage' else j}", daemon=True)
                 with _main_module_hidden():
                     p.start()
@@ -312,7 +321,10 @@ class Engine:
         return [(r.start, r.stop) for r in partition_layers(layers, self.config.pipeline_stages, head, draft)]
 
     def _wait_ready(self) -> None:
+        """Wait for every worker's ``("ready", pid[, info])``; ``self.workers`` gets each worker's
+        info (:func:`swiftspec.engine.worker.ready_info`; ``{"pid": pid}`` from a pipeline stage)."""
         pending = set(range(len(self._procs)))
+        self.workers: list[dict] = [{} for _ in self._procs]
         deadline = time.monotonic() + self.config.start_timeout_s
         while pending:
             left = deadline - time.monotonic()
@@ -323,6 +335,7 @@ class Engine:
                 if c.poll():
                     msg = self._recv(c)
                     if msg[0] == "ready":
+                        self.workers[i] = msg[2] if len(msg) > 2 else {"pid": msg[1]}
                         pending.discard(i)
             self._check_alive()
             if pending:

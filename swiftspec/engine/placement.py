@@ -2,10 +2,14 @@
 device, and the collective backend (docs/architecture.md §1).
 
 On CPU a group is a set of cores split among its TP ranks (one process per rank, each running
-as many threads as it has cores). On CUDA a group is a set of GPUs with one process per GPU:
-its TP degree is the number of its GPUs. The collective backend follows the configured device
-(gloo on CPU, NCCL on CUDA), never merely whether CUDA is installed: CPU tensors cannot go
-through NCCL.
+as many threads as it has cores). On CUDA a group is a list of GPU indices, one entry per rank
+(one process each): its TP degree is the number of entries, and an index may repeat, so two
+ranks of a group, or the draft group and the target group, can share one GPU as separate
+processes. The control backend (the torch.distributed process groups) follows the configured
+device, never merely whether CUDA is installed (CPU tensors cannot go through NCCL): gloo on CPU,
+NCCL on CUDA, and gloo on CUDA where a group puts two ranks on one GPU (NCCL refuses a GPU used
+by two ranks of one communicator); such a group's collectives then run on the LL communicator's
+kernels only (:func:`swiftspec.distributed.parallel.init_world`).
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from swiftspec.distributed.parallel import shares_gpu
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -59,23 +65,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def backend_for(device_type: str) -> str:
-    """The torch.distributed backend for tensors on ``device_type``: "nccl" for "cuda", else "gloo"."""
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
 def split_gpus(n_gpus: int, target: list[int] | None, draft: list[int] | None,
                two_groups: bool) -> tuple[list[int], list[int]]:
-    """GPU indices of the target and draft groups.
+    """The GPU index of every rank of the target and draft groups (one entry per rank).
 
-    With ``two_groups`` (async) the groups must be disjoint; by default the draft gets the last
-    ⌈n/4⌉ GPUs (the draft model is the smaller one) and the target the others. Otherwise
-    (serial, autoregressive: one group holds every model) the group uses ``target + draft`` when
-    either is given, else every visible GPU; the second list is then empty.
+    An index may repeat: ``[0, 0]`` is two ranks on GPU 0 (their collectives on the CUDA LL
+    communicator over a gloo control group, see :func:`swiftspec.distributed.parallel.control_backend`), and with ``two_groups``
+    (async) the target and draft groups may name the same GPU (each group its own processes).
+    By default the draft gets the last ⌈n/4⌉ GPUs (the draft model is the smaller one) and the
+    target the others. Otherwise (serial, autoregressive: one group holds every model) the group's
+    ranks are ``target + draft`` when either is given, else one per visible GPU; the second list is
+    then empty.
 
     Raises:
-        PlacementError: an index outside ``[0, n_gpus)``, a repeated index, groups that share a
-            GPU, only one of the two lists given for two groups, or fewer than 2 GPUs for two groups.
+        PlacementError: an index outside ``[0, n_gpus)``, an empty list, only one of the two lists
+            given for two groups, or fewer than 2 GPUs for two groups by default.
     """
     for name, ids in (("target_devices", target), ("draft_devices", draft)):
         if ids is not None:
@@ -84,38 +88,57 @@ def split_gpus(n_gpus: int, target: list[int] | None, draft: list[int] | None,
             bad = [i for i in ids if not 0 <= i < n_gpus]
             if bad:
                 raise PlacementError(f"{name} {bad} out of range: this machine shows {n_gpus} CUDA device(s)")
-            if len(set(ids)) != len(ids):
-                raise PlacementError(f"{name} repeats a GPU: {ids}")
     if not two_groups:
         ids = list(target or []) + list(draft or []) if (target or draft) else list(range(n_gpus))
-        if len(set(ids)) != len(ids):
-            raise PlacementError(f"target_devices and draft_devices overlap: {target} / {draft}")
         return ids, []
     if target is None and draft is None:
         if n_gpus < 2:
             raise PlacementError(
-                f"async needs one GPU per group and this machine shows {n_gpus}; on one GPU use "
-                "mode='colocated' (both models on it, Algorithm 1 with CUDA streams) or serial")
+                f"async needs one GPU per group by default and this machine shows {n_gpus}; on one GPU use "
+                "mode='colocated' (both models on it, Algorithm 1 with CUDA streams), serial, or name the "
+                "GPU for both groups (target_devices=[0], draft_devices=[0]: two processes on it)")
         n_draft = max(1, math.ceil(n_gpus / 4))
         return list(range(n_gpus - n_draft)), list(range(n_gpus - n_draft, n_gpus))
     if target is None or draft is None:
         raise PlacementError("give both target_devices and draft_devices, or neither")
-    if set(target) & set(draft):
-        raise PlacementError(f"target_devices and draft_devices must be disjoint: {target} / {draft}")
     return list(target), list(draft)
 
 
-def gpu_group(kind: str, models: dict[str, str], gpus: list[int], cores: list[list[int]], tp: int) -> Group:
-    """A CUDA group: one rank per GPU. ``tp`` is the configured TP degree, which must be 1 (the
-    default: take it from the GPUs) or the number of GPUs. ``cores``: the host cores of each rank.
+def gpu_group(kind: str, models: dict[str, str], gpus: list[int], cores: list[int], tp: int) -> Group:
+    """A CUDA group: one rank per entry of ``gpus`` (GPU indices, repeats allowed).
+
+    ``tp`` is the configured TP degree: 1 (the default: one rank per entry), ``len(gpus)``, or a
+    multiple ``k * len(gpus)``, which puts ``k`` consecutive ranks on each listed GPU
+    (``gpus=[0], tp=2`` is ``cuda:0, cuda:0``). ``cores``: the group's host cores, split among
+    its ranks (shared round-robin when fewer).
 
     Raises:
-        PlacementError: ``tp`` is neither 1 nor ``len(gpus)``.
+        PlacementError: ``tp`` is none of these, or no cores.
     """
-    if tp not in (1, len(gpus)):
-        raise PlacementError(f"the {kind} group has {len(gpus)} GPU(s), one process each, so its TP degree "
-                             f"is {len(gpus)}; got TP = {tp}")
-    return Group(kind, models, cores, [f"cuda:{g}" for g in gpus])
+    n = len(gpus)
+    if tp in (1, n):
+        ranks = list(gpus)
+    elif tp > n and tp % n == 0:
+        ranks = [g for g in gpus for _ in range(tp // n)]
+    else:
+        raise PlacementError(f"the {kind} group lists {n} GPU(s) {gpus}, one process each, so its TP degree "
+                             f"is {n} (or a multiple of {n}: that many ranks per GPU); got TP = {tp}")
+    return Group(kind, models, split_cores(cores, len(ranks)), [f"cuda:{g}" for g in ranks])
+
+
+def check_shared_gpus(groups: list[Group], kernels: bool) -> None:
+    """Refuse a layout whose groups put two ranks on one GPU when the LL kernels are off.
+
+    Such a group's control plane is gloo (:func:`swiftspec.distributed.parallel.control_backend`) and its collectives run only on
+    the CUDA LL communicator, which ``kernels=False`` turns off.
+
+    Raises:
+        PlacementError: some group of two or more ranks shares a GPU and ``kernels`` is False.
+    """
+    for g in groups:
+        if g.tp > 1 and shares_gpu(g.devices) and not kernels:
+            raise PlacementError(f"the {g.kind} group puts several ranks on one GPU ({g.devices}): NCCL refuses "
+                                 "that, so its collectives need the CUDA LL kernels; set kernels=True")
 
 
 def split_cores(cores: list[int], parts: int) -> list[list[int]]:
@@ -149,13 +172,15 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
     holding the draft too) then "stage" groups, the cores split among them; CPU only.
     CPU: the async groups get ``target_cores`` / ``draft_cores`` (default: the draft a quarter of
     the cores, at least one), the single group ``target_cores + draft_cores`` (default all), each
-    split among the group's ``*_tp`` ranks. CUDA: the GPUs of :func:`split_gpus`, one rank each;
-    the cores are the ranks' host cores and may be shared.
+    split among the group's ``*_tp`` ranks. CUDA: the GPUs of :func:`split_gpus`, one rank per
+    entry (or ``*_tp`` ranks spread over them, :func:`gpu_group`); the cores are the ranks' host
+    cores and may be shared.
 
     Raises:
-        PlacementError: cores or GPUs that cannot hold the groups (see :func:`split_gpus`).
+        PlacementError: cores or GPUs that cannot hold the groups (see :func:`split_gpus`,
+            :func:`gpu_group`), or ranks sharing a GPU with the kernels off (:func:`check_shared_gpus`).
     """
-    from swiftspec.engine.worker import ROLE_DRAFT, ROLE_TARGET
+    from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 
     c = config
     t_cores, d_cores = c.target_cores, c.draft_cores
@@ -185,4 +210,6 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
     if device == "cpu":
         return [Group(kind, m, split_cores(cc, tp), ["cpu"] * tp) for kind, m, cc, tp in parts]
     gpus = split_gpus(n_gpus, c.target_devices, c.draft_devices, c.mode == "async")
-    return [gpu_group(kind, m, ids, split_cores(cc, len(ids)), tp) for (kind, m, cc, tp), ids in zip(parts, gpus)]
+    groups = [gpu_group(kind, m, ids, cc, tp) for (kind, m, cc, tp), ids in zip(parts, gpus)]
+    check_shared_gpus(groups, c.kernels)
+    return groups

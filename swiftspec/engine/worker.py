@@ -1,7 +1,8 @@
 """Worker processes: one per TP rank of each device group (docs/architecture.md §1).
 
 A worker pins itself to its cores, joins the torch.distributed world when its group has more
-than one rank, loads its model shard(s), reports ``("ready", pid)`` to the engine, and then
+than one rank, loads its model shard(s), reports ``("ready", pid, info)`` to the engine
+(:func:`ready_info`: its device, collective backend and CUDA graphs), and then
 either leads its group (runs a decoding loop of :mod:`swiftspec.spec_decode.scheduler` per request) or follows
 its leader's mirrored model calls. Any exception is reported as ``("error", traceback)`` before
 the process exits, so the engine can raise it instead of hanging.
@@ -17,9 +18,9 @@ import torch
 
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.ngram import NgramParams
+from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.spec_decode.payback import PaybackGate
 
-ROLE_TARGET, ROLE_DRAFT = "target", "draft"
 
 
 @dataclass
@@ -42,6 +43,9 @@ class WorkerSpec:
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.engine.placement`); it also picks the collective backend.
+        world_devices: the device of every global rank (``world_size`` entries; None: each rank
+            on its own device): ranks of one group sharing a GPU make the control plane gloo and
+            the collectives LL kernels (:func:`swiftspec.distributed.parallel.init_world`).
         dtype: "float32" or "bfloat16".
         max_model_len: context length in tokens; tree: draft tree parameters; ngram: the "ngram"
             mode's proposal shape.
@@ -84,6 +88,7 @@ class WorkerSpec:
     start_timeout_s: float = 600.0
     draft_payback: bool = False
     draft_sms: int | None = None
+    world_devices: list[str] | None = None
 
     @property
     def verify_rows(self) -> int:
@@ -93,9 +98,6 @@ class WorkerSpec:
     @property
     def is_leader(self) -> bool:
         return self.rank == self.groups[self.group][0]
-
-
-PIPELINE_LEADERS = ("pipedec", "pipeinfer", "pipeline-autoregressive")
 
 
 def graph_buckets(most: int) -> list[int]:
@@ -109,6 +111,42 @@ def graph_buckets(most: int) -> list[int]:
     return sizes
 
 
+def decode_graph_sizes(spec: WorkerSpec, tp, role: str) -> list[int] | None:
+    """The CUDA-graph buckets of ``role``'s decode steps on this rank (:func:`graph_buckets`), or
+    None (steps run eagerly): graphs are off, the device is not CUDA, or the group's collectives
+    cannot be captured (:func:`swiftspec.distributed.parallel.graph_ban`: TP > 1 is captured on the CUDA LL
+    communicator only). ``tp``: this rank's :class:`swiftspec.distributed.parallel.TPContext`."""
+    from swiftspec.distributed.parallel import graph_ban
+
+    if not spec.cuda_graphs or torch.device(spec.device).type != "cuda" or graph_ban(tp) is not None:
+        return None
+    return graph_buckets(spec.verify_rows if role == ROLE_TARGET else 2 * spec.tree.bs)
+
+
+def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
+    """What a worker tells the engine once loaded (``Engine.workers``), so a run can prove which
+    collective path and how many CUDA graphs it used.
+
+    Keys: ``pid``; ``kind``, ``rank`` (global), ``group_rank``, ``tp`` (group size); ``device``
+    ("cpu" / "cuda:K"); ``comm_backend`` (:attr:`swiftspec.distributed.parallel.TPContext.comm_backend`:
+    "local", "ll", "shm", "gloo" or "nccl"); ``control_backend`` (the process group's, or None);
+    ``cuda_graphs``: role -> graphs captured; ``graph_ban``: why decode steps run eagerly at
+    TP > 1 on CUDA with graphs requested, else None; ``ll_epochs``: collective calls the LL
+    communicator has run so far (graph warm-ups included), None without one.
+    """
+    from swiftspec.distributed.parallel import graph_ban
+
+    ban = graph_ban(tp) if spec.cuda_graphs and torch.device(spec.device).type == "cuda" else None
+    epochs = None
+    if tp.shm is not None:
+        e = tp.shm.epoch  # a method on CUDA (it reads device memory), a property on CPU
+        epochs = int(e() if callable(e) else e)
+    return {"pid": os.getpid(), "kind": spec.kind, "rank": spec.rank, "group_rank": tp.rank, "tp": tp.size,
+            "device": spec.device, "comm_backend": tp.comm_backend, "control_backend": tp.control,
+            "cuda_graphs": {role: len(r.step.graphs) if r.step is not None else 0 for role, r in runners.items()},
+            "graph_ban": ban, "ll_epochs": epochs}
+
+
 def _capacity(spec: WorkerSpec, role: str) -> int:
     if role == ROLE_TARGET:  # room for a verification batch past the context
         return spec.max_model_len + spec.verify_rows
@@ -116,11 +154,12 @@ def _capacity(spec: WorkerSpec, role: str) -> int:
 
 
 def _setup(spec: WorkerSpec):
+    """Pin, join the world, load the runners; returns ``(runners, tp)``."""
     from swiftspec import ops
     from swiftspec.distributed.parallel import LOCAL, init_world
     from swiftspec.model_executor.runner import ModelRunner
 
-    _pin(spec)
+    pin(spec)
     ops.set_kernels(spec.kernels)
     device = torch.device(spec.device)
     if device.type == "cuda":  # before the process group: NCCL binds to the current device
@@ -128,7 +167,7 @@ def _setup(spec: WorkerSpec):
     tp = LOCAL
     if spec.port:
         tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.kernels,
-                        device_type=device.type)[spec.group]
+                        device_type=device.type, devices=spec.world_devices)[spec.group]
     dtype = getattr(torch, spec.dtype)
     runners = {}
     for role, path in spec.models.items():
@@ -137,47 +176,33 @@ def _setup(spec: WorkerSpec):
             extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
             if role == ROLE_DRAFT and spec.draft_sms is not None:  # the draft on its share of the SMs
                 extra["sm_count"] = spec.draft_sms
-        if spec.cuda_graphs and device.type == "cuda" and tp.size == 1:  # collectives are not captured
-            extra["graph_sizes"] = graph_buckets(spec.verify_rows if role == ROLE_TARGET else 2 * spec.tree.bs)
+        sizes = decode_graph_sizes(spec, tp, role)  # TP > 1: only LL collectives are captured
+        if sizes:
+            extra["graph_sizes"] = sizes
         runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
                                     **extra)
-    return runners
+    return runners, tp
 
 
-def _pin(spec: WorkerSpec) -> None:
+def pin(spec: WorkerSpec) -> None:
+    """Pin this process to ``spec.cores`` (where the OS allows) and set its intra-op threads."""
     if spec.cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
-
-
-def _run_pipeline(spec: WorkerSpec, engine: Connection) -> None:
-    """A pipeline stage started by the engine (:mod:`swiftspec.pipeline.worker`)."""
-    from swiftspec.pipeline import worker as pw
-
-    _pin(spec)
-    if spec.kind in PIPELINE_LEADERS:
-        pw.lead(spec, engine)
-        return
-    conn = pw.LockedConn(engine)
-    pw.follow(spec.rank, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET], spec.start_timeout_s,
-              lambda msg: pw._die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))
 
 
 def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
                 leader: Connection | None, peer: Connection | None) -> None:
     """Process entry point (see the module docstring)."""
     try:
-        if spec.stages > 1:
-            _run_pipeline(spec, engine)
-            return _leave_world()
-        runners = _setup(spec)
-        engine.send(("ready", os.getpid()))
+        runners, tp = _setup(spec)
+        engine.send(("ready", os.getpid(), ready_info(spec, tp, runners)))
         if spec.is_leader:
             _lead(spec, runners, engine, followers, peer)
         else:
             from swiftspec.model_executor.runner import serve_follower
             serve_follower(runners, leader)
-        _leave_world()
+        leave_world()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
     except BaseException:
@@ -199,7 +224,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
     draft = None
     if ROLE_DRAFT in handles:
         draft = DraftState(handles[ROLE_DRAFT], spec.tree)
-    decode = _decoder(spec.tokenizer_file) if target is not None else None
+    decode = scheduler.text_decoder(spec.tokenizer_file) if target is not None else None
     gate = PaybackGate() if spec.draft_payback and spec.kind == "serial" else None
 
     def emit(tokens, t, logprobs):
@@ -241,7 +266,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 pass
 
 
-def _leave_world() -> None:
+def leave_world() -> None:
     """Leave the torch.distributed world cleanly (gloo's threads otherwise abort at exit)."""
     import torch.distributed as dist
 
@@ -249,11 +274,3 @@ def _leave_world() -> None:
         dist.destroy_process_group()
 
 
-def _decoder(tokenizer_file: str | None):
-    """ids -> text with the target's tokenizer (for stop strings), or None without one."""
-    if not tokenizer_file or not os.path.exists(tokenizer_file):
-        return None
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer_file)
-    return lambda ids: tok.decode(ids, skip_special_tokens=True)

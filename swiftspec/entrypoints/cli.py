@@ -32,8 +32,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bfloat16/float32 = dequantized")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
                    help="where the models run (auto: CUDA when torch sees a GPU, else CPU)")
-    p.add_argument("--target-devices", type=_int_list, help="comma-separated GPU indices of the target group")
-    p.add_argument("--draft-devices", type=_int_list, help="comma-separated GPU indices of the draft group")
+    p.add_argument("--target-devices", type=_int_list,
+                   help="comma-separated GPU indices of the target group, one process each "
+                        "(repeat an index for several ranks on one GPU)")
+    p.add_argument("--draft-devices", type=_int_list,
+                   help="comma-separated GPU indices of the draft group, one process each "
+                        "(it may name the target's GPUs)")
     p.add_argument("--target-cores", type=_int_list, help="comma-separated CPU cores of the target group")
     p.add_argument("--draft-cores", type=_int_list, help="comma-separated CPU cores of the draft group")
     p.add_argument("--target-tp", type=int, help="TP degree (processes) of the target group")

@@ -20,6 +20,10 @@ from swiftspec.model_executor.sampling import SampleHead, sample_rows
 from swiftspec.model_executor.sm_partition import green_context_stream
 
 
+# the two models' roles: the keys of a worker's runners and of its stats
+ROLE_TARGET, ROLE_DRAFT = "target", "draft"
+
+
 class ModelRunner:
     """A model, its KV cache and its busy-time counter on one rank.
 

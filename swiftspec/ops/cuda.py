@@ -735,7 +735,12 @@ class CudaLLCommunicator:
         group: the torch.distributed process group of the TP group (NCCL or gloo; used only
             during construction and :meth:`close`); may be None when ``size == 1``.
         rank: this process's rank inside the group.
-        size: group size (<= 16). Every rank must be on its own GPU of one host.
+        size: group size (<= 16). Every rank is a process of one host, each on its own GPU or
+            several on one GPU (CUDA IPC maps a buffer of another process on the same device;
+            without MPS the GPU time-slices between the processes, so a collective completes
+            once every rank's kernel has had the GPU; under MPS their kernels run side by side,
+            each client capped with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` so the grids of all
+            ranks fit at once).
         capacity_bytes: payload bytes per rank per call; larger messages are split into
             several kernel launches (one epoch each).
         device: the CUDA device (default: the current one).
@@ -748,6 +753,8 @@ class CudaLLCommunicator:
         ValueError: bad arguments. CudaKernelError / RuntimeError: allocation or mapping failed on
         some rank (every rank raises).
     """
+
+    backend = "ll"  # what swiftspec.distributed.parallel.TPContext.comm_backend reports for a group on it
 
     def __init__(self, group, rank: int, size: int, capacity_bytes: int = 1 << 20, *,
                  device: torch.device | int | None = None, protocol: str = "ll16",

@@ -18,9 +18,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
+from swiftspec.pipeline import MODES
 from swiftspec.pipeline.stages import LEADER, Heartbeat, PipelineLeader, Stage, StagePlan, exchange_plan, join, model_digest
 
-ROLE_TARGET, ROLE_DRAFT = "target", "draft"
 
 
 def capacity(max_model_len: int, width: int, stages: int) -> int:
@@ -80,7 +81,7 @@ def lead(spec, engine: Connection) -> None:
     """Stage 0 (``spec``: a :class:`swiftspec.engine.worker.WorkerSpec`): serve the engine's requests."""
     from swiftspec.spec_decode import scheduler
     from swiftspec.pipeline.decode import PipelineDecoder
-    from swiftspec.engine.worker import _decoder
+    from swiftspec.spec_decode.scheduler import text_decoder
 
     plan = StagePlan(spec.stage_layers, spec.dtype, spec.weights, spec.kernels, spec.max_model_len, spec.tree.w, "")
     plan, runners, peers, store = setup(LEADER, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET],
@@ -93,7 +94,7 @@ def lead(spec, engine: Connection) -> None:
     pipe = PipelineLeader(Stage(target, LEADER, spec.stages))
     loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity,
                            spec.pipeline_order)
-    decode = _decoder(spec.tokenizer_file)
+    decode = text_decoder(spec.tokenizer_file)
     try:
         while True:
             msg = engine.recv()
@@ -178,3 +179,35 @@ def worker_cli(args) -> int:
         print(f"swiftspec worker (stage {args.stage}): {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def stage_main(spec, engine: Connection, followers: list, leader, peer) -> None:
+    """Process entry point of a pipeline stage the engine starts (the engine picks it for the
+    pipeline modes; ``spec``: a :class:`swiftspec.engine.worker.WorkerSpec`, the other arguments
+    as :func:`swiftspec.engine.worker.worker_main` takes them, unused here: stages talk over the
+    rendezvous store). Stage 0 leads (:func:`lead`); the later stages follow it (:func:`follow`).
+    A failure is reported to the engine as ``("error", traceback)`` before the process exits."""
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        if spec.cores is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, spec.cores)
+        torch.set_num_threads(spec.threads)
+        if spec.kind in MODES:
+            lead(spec, engine)
+        else:
+            conn = LockedConn(engine)
+            follow(spec.rank, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET], spec.start_timeout_s,
+                   lambda msg: _die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+    except BaseException:
+        try:
+            engine.send(("error", f"{spec.kind} stage {spec.rank}: {traceback.format_exc()}"))
+        except Exception:
+            pass
+        raise SystemExit(1)

@@ -29,8 +29,6 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from swiftspec.weights.model_cache import atomic_write_text
 
 VERSION = 1
@@ -114,48 +112,6 @@ class Replay:
 
 class TraceError(ValueError):
     """An acceptance trace file that is missing, not JSON, or not of this format."""
-
-
-def draft_ranks(runner, prompt_ids: list[int], tokens: list[int],
-                k: int = RANKS_K) -> tuple[list[int | None], list[list[float]]]:
-    """Rank of each target token among the draft's ``k`` most likely next tokens, teacher-forced,
-    and the draft's ``LOGPROBS_K`` highest log-probabilities at each position.
-
-    Args:
-        runner: the draft's :class:`swiftspec.model_executor.runner.ModelRunner`, built as the engine builds it
-            (same weights, ``draft_quant`` and ``logits_vocab``), KV capacity at least
-            ``len(prompt_ids) + len(tokens)``.
-        prompt_ids: ``[P]`` prompt token ids.
-        tokens: ``[T]`` the target's generated tokens.
-        k: candidates per position.
-    Returns:
-        ``[T]`` ranks (0 = the draft's most likely token; None: not among its first ``k``) and
-        ``[T, LOGPROBS_K]`` log-probabilities (rounded to 1e-4), heaviest first.
-    """
-    seq = list(prompt_ids) + list(tokens[:-1])
-    n = len(seq)
-    pos = torch.arange(n)
-    rows = torch.arange(len(prompt_ids) - 1, n)  # row i predicts tokens[i - P + 1]
-    values, ids = runner.forward(torch.tensor(seq), pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), rows, k)
-    ranks: list[int | None] = [c.index(t) if t in c else None for t, c in zip(tokens, ids.tolist())]
-    return ranks, [[round(v, 4) for v in row] for row in values[:, :LOGPROBS_K].tolist()]
-
-
-def record(prompts: list[tuple[str, list[int], list[int]]], draft_dir, dtype: str, draft_quant: str | None,
-           draft_vocab: int | None, k: int = RANKS_K) -> list[dict]:
-    """The trace's prompt entries: ``prompts`` = (dataset, prompt ids, the target's tokens) per
-    prompt; the draft is loaded here (native weights, as the engine loads it)."""
-    from swiftspec.model_executor.runner import ModelRunner
-
-    longest = max(len(p) + len(t) for _, p, t in prompts)
-    runner = ModelRunner(str(draft_dir), dtype=getattr(torch, dtype), capacity=-(-longest // 256) * 256,
-                         quant=draft_quant, logits_vocab=draft_vocab)
-    out = []
-    with torch.inference_mode():
-        for ds, p, t in prompts:
-            ranks, lps = draft_ranks(runner, p, t, k)
-            out.append({"dataset": ds, "prompt_ids": list(p), "tokens": list(t), "ranks": ranks, "logprobs": lps})
-    return out
 
 
 def profile(entries: list[dict]) -> list[float]:

@@ -21,6 +21,7 @@ Architecture: docs/architecture.md §5.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -391,3 +392,12 @@ def run_async_draft(draft: DraftState, req: Request, to_target: Channel, max_d: 
     stats.reused_kv = draft.reused_kv
     stats.expansion_s = draft.expansion_s
     return stats
+
+def text_decoder(tokenizer_file: str | None):
+    """ids -> text with the target's tokenizer (for stop strings), or None without one."""
+    if not tokenizer_file or not os.path.exists(tokenizer_file):
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
