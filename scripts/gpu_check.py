@@ -42,7 +42,7 @@ STAGES = ("tests", "steps", "e2e", "multiproc")
 BUDGETS = {"tests": 130, "steps": 80, "e2e": 200, "multiproc": 60}
 CUDA_TESTS = ["tests/test_cuda_build.py", "tests/test_cuda_kernels.py", "tests/test_graphs.py",
               "tests/test_cuda_engine.py", "tests/test_random_weights.py"]
-MULTIPROC_TESTS = ["tests/test_cuda_engine.py", "-k", "one_gpu_processes"]
+MULTIPROC_TESTS = ["tests/test_cuda_shared_gpu.py"]
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
@@ -81,7 +81,8 @@ def stage_commands(stage: str, work: Path, py: str, memory_gib: float, prompts: 
     if stage == "multiproc":
         cmds = []
         if (ROOT / "scripts" / "gpu_probe.py").is_file():
-            cmds.append([py, "scripts/gpu_probe.py", "--out", str(work / "gpu-probe.json"), "--timeout", "20"])
+            cmds.append([py, "scripts/gpu_probe.py", "--out", str(work / "gpu-probe.json"), "--timeout", "20",
+                         "--build-timeout", "60"])
         cmds.append([py, "-m", "pytest", "-q", "-rs", *MULTIPROC_TESTS, "--junitxml",
                      str(work / "multiproc-tests.xml")])
         return cmds
