@@ -14,6 +14,7 @@ from pathlib import Path
 from swiftspec.engine.placement import DEVICES
 from swiftspec.pipeline import MODES as PIPELINE_MODES
 from swiftspec.spec_decode.draft_state import TreeParams
+from swiftspec.spec_decode.modes import mode_for, registered
 from swiftspec.spec_decode.ngram import NgramParams
 
 MODES = ("async", "serial", "colocated", "autoregressive", "ngram", "pipedec", "pipeinfer", "pipeline-autoregressive")
@@ -150,8 +151,11 @@ class EngineConfig:
     start_timeout_s: float = 600.0
 
     def __post_init__(self):
-        if self.mode != "auto" and self.mode not in MODES:
-            raise ValueError(f"mode must be auto or one of {MODES}, got {self.mode!r}")
+        custom = tuple(m for m in registered() if m not in MODES and m not in ("target", "draft"))
+        if self.mode != "auto" and self.mode not in MODES + custom:
+            raise ValueError(f"mode must be auto or one of {MODES + custom}, got {self.mode!r}")
+        if self.mode in custom:  # a decode mode registered by user code checks its own fields
+            mode_for(self.mode).check_config(self)
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.device not in DEVICES:

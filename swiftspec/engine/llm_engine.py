@@ -25,10 +25,11 @@ from swiftspec.engine.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, TARGET
                               EngineConfig, _available_cores, choose_mode, cpu_has_bf16)
 from swiftspec.engine.detokenize import IncrementalText
 from swiftspec.engine.metrics import RequestMetrics
-from swiftspec.engine.placement import Group, PlacementError, plan_groups
+from swiftspec.engine.placement import Group, PlacementError, plan_groups, uses_draft
 from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.engine.worker import WorkerSpec, worker_main
+from swiftspec.spec_decode.modes import mode_for
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.pipeline.worker import stage_main
 
@@ -189,7 +190,7 @@ class Engine:
         self._conns: list[Connection] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
-        if config.mode in TARGET_ONLY_MODES:
+        if not uses_draft(config.mode):
             self.draft_path = None
         else:
             self.draft_path = draft_path or resolve_model(draft, "draft", cache_dir)
@@ -268,7 +269,8 @@ class Engine:
             handed_over += [c for pair in follower_pipes for c in pair]
             for j, r in enumerate(groups[gi]):
                 spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
-                                  kind=kind, cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
+                                  kind=kind, decode_mode=None if kind == "stage" or self.config.pipeline_stages > 1
+                                  else mode_for(kind), cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
                                   device=group.devices[j],
                                   max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
                                   ngram=self.config.ngram_params(),

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from swiftspec.distributed.parallel import shares_gpu
+from swiftspec.pipeline import MODES as PIPELINE_MODES
+from swiftspec.spec_decode.modes import mode_for
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -63,6 +65,17 @@ def resolve_device(device: str) -> str:
         raise PlacementError(f"device='cuda' but torch {torch.__version__} sees no CUDA device "
                              "(CPU-only build, no driver, or CUDA_VISIBLE_DEVICES empty); use device='cpu'")
     return device
+
+
+def uses_draft(mode: str) -> bool:
+    """Whether a resolved mode (not "auto") loads the draft model: ``async`` and the draft-tree
+    pipeline modes do; every other mode as its registered decode loop says
+    (:attr:`swiftspec.spec_decode.modes.DecodeMode.uses_draft`). Raises ValueError for an unknown mode."""
+    if mode == "async":
+        return True
+    if mode in PIPELINE_MODES:
+        return mode != "pipeline-autoregressive"
+    return mode_for(mode).uses_draft
 
 
 def split_gpus(n_gpus: int, target: list[int] | None, draft: list[int] | None,
@@ -204,7 +217,7 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
         parts = [(ROLE_TARGET, {ROLE_TARGET: target}, list(t_cores), c.target_tp),
                  (ROLE_DRAFT, {ROLE_DRAFT: draft}, list(d_cores), c.draft_tp)]
     else:
-        models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if c.mode in ("serial", "colocated") else {})}
+        models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if uses_draft(c.mode) else {})}
         parts = [(c.mode, models, list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores,
                   c.target_tp)]
     if device == "cpu":

@@ -19,7 +19,7 @@ import torch
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.ngram import NgramParams
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
-from swiftspec.spec_decode.payback import PaybackGate
+from swiftspec.spec_decode.modes import mode_for
 
 
 
@@ -43,6 +43,10 @@ class WorkerSpec:
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.engine.placement`); it also picks the collective backend.
+        decode_mode: the leader's decode loop (a registered
+            :class:`swiftspec.spec_decode.modes.DecodeMode` subclass, picked by the engine; pickled
+            by reference, so a mode registered by user code runs here too); None: looked up by
+            ``kind``.
         world_devices: the device of every global rank (``world_size`` entries; None: each rank
             on its own device): ranks of one group sharing a GPU make the control plane gloo and
             the collectives LL kernels (:func:`swiftspec.distributed.parallel.init_world`).
@@ -89,6 +93,7 @@ class WorkerSpec:
     draft_payback: bool = False
     draft_sms: int | None = None
     world_devices: list[str] | None = None
+    decode_mode: type | None = None
 
     @property
     def verify_rows(self) -> int:
@@ -225,7 +230,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
     if ROLE_DRAFT in handles:
         draft = DraftState(handles[ROLE_DRAFT], spec.tree)
     decode = scheduler.text_decoder(spec.tokenizer_file) if target is not None else None
-    gate = PaybackGate() if spec.draft_payback and spec.kind == "serial" else None
+    loop = (spec.decode_mode or mode_for(spec.kind))(spec, target, draft, peer)
 
     def emit(tokens, t, logprobs):
         engine.send(("tokens", tokens, t, logprobs))
@@ -245,18 +250,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 draft.replay = req.replay
             # mid-request, the only message the engine sends is a cancel
             stop = scheduler.StopChecker(req, decode, cancelled=engine.poll)
-            if spec.kind == "autoregressive":
-                st = scheduler.run_autoregressive(target, req, emit, stop)
-            elif spec.kind == "ngram":
-                st = scheduler.run_ngram(target, req, emit, spec.ngram, stop)
-            elif spec.kind == "serial":
-                st = scheduler.run_serial(draft, target, req, emit, stop, gate)
-            elif spec.kind == "colocated":
-                st = scheduler.run_colocated(draft, target, req, emit, stop)
-            elif spec.kind == ROLE_TARGET:
-                st = scheduler.run_async_target(target, req, peer, emit, stop)
-            else:
-                st = scheduler.run_async_draft(draft, req, peer)
+            st = loop.run(req, emit, stop)
             engine.send(("done", spec.kind, st, {role: r.stats() for role, r in runners.items()}))
     finally:
         for c in followers:

@@ -169,14 +169,25 @@ def run_autoregressive(target: TargetState, req: Request, emit, stop: StopChecke
 
 def run_ngram(target: TargetState, req: Request, emit, params: NgramParams,
               stop: StopChecker | None = None) -> TargetStats:
-    """The target alone, each forward verifying the root and the n-gram proposal that follows it
-    (:class:`swiftspec.spec_decode.ngram.NgramProposer` over the prompt and the verified tokens) as a chain;
+    """:func:`run_chain` with the n-gram proposal (:class:`swiftspec.spec_decode.ngram.NgramProposer`
+    over the prompt and the verified tokens)."""
+    return run_chain(target, req, emit, lambda ids: NgramProposer(params, ids), stop)
+
+
+def run_chain(target: TargetState, req: Request, emit, make_proposer: Callable,
+              stop: StopChecker | None = None) -> TargetStats:
+    """The target alone, each forward verifying the root and the chain a proposer offers after it;
     a step without a proposal verifies the root alone (a one-token step, as
     :func:`run_autoregressive`). Lossless as every mode: the walk keeps the target's own tokens.
-    A replayed acceptance trace does not apply (no draft tree) and is ignored."""
+    A replayed acceptance trace does not apply (no draft tree) and is ignored.
+
+    ``make_proposer(ids)`` builds the proposer over the prompt and the first token (``ids``, a
+    list of int): its ``propose()`` returns the token ids it guesses come next (any number; the
+    chain is cut at the request's budget), ``extend(tokens)`` takes each step's verified tokens.
+    """
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     first = _prefill_target(target, req, sampler, stop, emit)
-    proposer = NgramProposer(params, req.prompt_ids + [first])
+    proposer = make_proposer(req.prompt_ids + [first])
     while not stop.reason:
         chain = [target.root] + proposer.propose()[:max(0, stop.remaining - 1)]
         sg = Subgraph(chain, list(range(-1, len(chain) - 1)), list(range(len(chain))))
