@@ -49,3 +49,20 @@ def test_no_import_circle():
     graph = grimp.build_graph("swiftspec")
     assert len(graph.modules) > 50
     assert _cycles(graph) == []
+
+
+def test_the_package_picture_is_the_code():
+    """docs/packages.md's graph lists exactly the imports between packages the code has."""
+    import re
+
+    import grimp
+
+    graph = grimp.build_graph("swiftspec")
+    edges = set()
+    for m in graph.modules:
+        for d in graph.find_modules_directly_imported_by(m):
+            a, b = (x.split(".")[1] if x.count(".") else None for x in (m, d))
+            if a and b and a != b and a != "__main__":
+                edges.add((a, b))
+    drawn = set(re.findall(r"^    (\w+) --> (\w+)$", (ROOT / "docs" / "packages.md").read_text(), re.M))
+    assert drawn == edges, f"update docs/packages.md: missing {edges - drawn}, gone {drawn - edges}"
