@@ -1,4 +1,4 @@
-"""Markdown tables of bench/RESULTS.md, generated from the committed records in bench/results/.
+"""Markdown tables of README.md and bench/RESULTS.md, generated from the committed records in bench/results/.
 
 Every record kind the benchmarks write is recognised by its shape:
 
@@ -14,13 +14,38 @@ Every record kind the benchmarks write is recognised by its shape:
 * ``bench/server_load.py soak|overhead --out``: the soak's counts, memory and restart, or the
   server's added TTFT and tokens/s ratio against direct engine calls.
 
-    python bench/tables.py bench/results/run13-avx2-6x5.json [more.json ...]
+Generated blocks: in README.md and bench/RESULTS.md every measured number stands between two
+markers that name what produced it, ``KIND FILE [FILE ...]`` (files under bench/results/)::
+
+    <!-- tables:begin summary run38-zen3-6x5.json -->
+    ...generated text, never edited by hand...
+    <!-- tables:end summary run38-zen3-6x5.json -->
+
+KIND is ``record`` (:func:`render` of one record: all its tables), ``summary`` (the compact
+end-to-end table of ``swiftspec bench`` records, with the machine and the command that
+reproduces it) or ``generate`` (``swiftspec generate --json`` records, one row each).
+
+    python bench/tables.py bench/results/run13-avx2-6x5.json [more.json ...]   # print records' tables
+    python bench/tables.py --check    # every marked block equals what its records give (exit 1: a diff)
+    python bench/tables.py --write    # regenerate every marked block in place
 """
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
+import re
+import shlex
+import statistics
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+# the documents whose marked blocks --check / --write regenerate
+DOCUMENTS = ("README.md", "bench/RESULTS.md")
+BLOCK = re.compile(r"<!-- tables:begin (?P<spec>[^>\n]+?) -->\n(?P<body>.*?)<!-- tables:end (?P=spec) -->", re.S)
+BEGIN = re.compile(r"<!-- tables:begin ")
 
 
 def render(record) -> str:
@@ -31,8 +56,9 @@ def render(record) -> str:
         m = record["machine"]
         on_gpu = any(r.get("device") == "cuda" for r in record["records"])
         where = (f"{m.get('gpu', 'a GPU')} (host: {m['cpu']}, {m['cores']} cores)" if on_gpu else
-                 f"{m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), {m['cores']} cores, kernels {m['isa']}")
-        return f"`{record['command']}` on {where}\n\n" + render(record["records"])
+                 f"{m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), {m['cores']} cores, kernels "
+                 + ", ".join(f"{op} `{isa}`" for op, isa in m["isa"].items()))
+        return f"`{_command(record)}` on {where}\n\n" + render(record["records"])
     if isinstance(record, dict) and "table" in record:  # a swiftspec bench table kept as printed (e2e.md)
         cols = list(record["table"][0])
         return "\n".join([f"`{record['command']}`: {record['title']}; {record['code']}. Source: {record['source']}", "",
@@ -43,13 +69,19 @@ def render(record) -> str:
     if isinstance(record, dict) and "cases" in record:
         return kernels.summary_table(record["cases"])
     if isinstance(record, dict) and record.get("rows") and "limit_s" in record["rows"][0]:  # bench/device_forward.py
-        # records from run 35 on: the cache's capacity per row, and the replay without the device-side KV length
+        # newer records hold the cache's capacity per row, and the replay without the device-side KV length
         capacity = {r["capacity"] for r in record["rows"] if "capacity" in r}
+        # on CUDA the limit came from a device-to-device copy: its bytes (read + write) halved, about half
+        # of what the HBM can read, so "of limit" there is no fraction of the read bandwidth
+        d2d = record["device"] == "cuda"
+        limit = (f", limit: weight bytes over {record['bandwidth_gb_s']:.1f} GB/s, a device-to-device copy's bytes "
+                 f"(read + write) halved, about half the HBM's read bandwidth (to be re-measured with a read-only "
+                 f"pass)" if d2d else f", read bandwidth {record['bandwidth_gb_s']:.1f} GB/s")
         lines = [f"{record.get('device_name') or record['device']}, {record['dtype']}, {record['context']} tokens in the "
-                 f"KV cache" + (f" of {', '.join(map(str, sorted(capacity)))} slots" if capacity else "")
-                 + f", read bandwidth {record['bandwidth_gb_s']:.1f} GB/s",
-                 "", "| model | rows | eager ms | graph ms | graph ms, attention over the whole capacity | limit ms | "
-                 "of limit |", "|---|---|---|---|---|---|---|"]
+                 f"KV cache" + (f" of {', '.join(map(str, sorted(capacity)))} slots" if capacity else "") + limit,
+                 "", "| model | rows | eager ms | graph ms | graph ms, attention over the whole capacity | "
+                 + ("d2d-copy limit ms | of d2d-copy limit |" if d2d else "limit ms | of limit |"),
+                 "|---|---|---|---|---|---|---|"]
         for r in record["rows"]:
             graph, unbounded = (f"{1e3 * r[k]:.3f}" if k in r else "-" for k in ("graph_s", "graph_unbounded_s"))
             lines.append(f"| {r['model']} | {r['rows']} | {1e3 * r['eager_s']:.3f} | {graph} | {unbounded} | "
@@ -64,7 +96,7 @@ def render(record) -> str:
                  f"{record['threads']} threads",
                  "", "| weights | kernels | layout | quantized GEMM | rows | ms | weight GB/s | of bandwidth |",
                  "|---|---|---|---|---|---|---|---|"]
-        # records from run 30 on probe the bandwidth beside every row count: "of bandwidth" names it
+        # newer records probe the bandwidth beside every row count: "of bandwidth" names it;
         # older records predate the interleaved layout (their native weights were plain) and the
         # per-row kernel name (the record's dispatch then)
         default = record.get("isa", {}).get("quant_gemm", "-")
@@ -128,12 +160,181 @@ def _server(record: dict) -> str:
         f"({q['p10']:.4f}, {q['p90']:.4f}) | {o['texts_equal']}/{len(o['pairs'])} |"])
 
 
+# the peers' rows in a summary table
+PEERS = {"llama-cpp": "llama.cpp on the same GGUF", "llama-cpp-spec": "llama.cpp speculative (the draft's GGUF, chains of 4)",
+         "hf": "transformers `generate`", "hf-compile": "transformers, static cache + `torch.compile`",
+         "hf-assisted": "transformers assisted generation"}
+
+
+def _load(name: str, results: Path = RESULTS):
+    return json.loads((results / name).read_text())
+
+
+def _command(record: dict) -> str:
+    """The record's command as it reproduces it: where its output went left out, its environment set."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(record["machine"].get("env", {}).items()) if k != "SWIFTSPEC_CACHE"]
+    return " ".join(env + [re.sub(r" --out \S+", "", record["command"])])
+
+
+def _machine(record: dict, records: list[dict]) -> str:
+    """One line: the hardware, software and workload of a ``swiftspec bench --out`` record."""
+    m = record["machine"]
+    host = f"{m['cores']} cores of an {m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']})"
+    where = (f"{m['gpu']}, host {host}" if "gpu" in m else f"{host}, quantized GEMM kernel `{m['isa']['quant_gemm']}`")
+    soft = f"torch {m['torch']}" + (f", llama-cpp-python {m['llama_cpp']['version']}" if m.get("llama_cpp") else "")
+    ar = [r for r in records if r["system"] == records[0]["system"]]
+    datasets = list(dict.fromkeys(r["dataset"] for r in ar))
+    per = len(ar) // len(datasets)
+    stored = {r["engine"]["weights"] for r in records if r.get("engine")}
+    weights = ("random weights of the default pair's shapes, the default pair's recorded acceptance replayed"
+               if any(r.get("replayed") for r in records) else
+               "GGUF weights as stored" if stored == {"native"} else f"weights {', '.join(sorted(stored))}")
+    dtype = ", ".join(sorted({r["dtype"] for r in records}))
+    return (f"{where}; {soft}; {weights}, {dtype} activations; {len(datasets)} datasets x {per} "
+            f"prompt{'s' if per > 1 else ''}, greedy")
+
+
+def _what_ran(system: str, rs: list[dict]) -> str:
+    """What a system of a ``swiftspec bench`` record ran, from its records' engine shape."""
+    eng = rs[0].get("engine")
+    if eng is None:
+        return PEERS.get(system, system)
+    mode = eng["mode"]
+    parts = [{"autoregressive": "target alone", "ngram": "`ngram` (prompt lookup)"}.get(mode, f"`{mode}`")]
+    if mode in ("serial", "async", "colocated"):
+        parts.append(f"bs {eng['bs']}" + (f", d {eng['d']}" if eng.get("d") else ""))
+    if eng.get("draft_payback") and mode == "serial":  # the gate acts in serial only
+        parts.append("payback gate")
+    if eng.get("draft_sms"):
+        parts.append(f"draft on {eng['draft_sms']} SMs")
+    if eng.get("target_tp", 1) > 1:
+        parts.append(f"TP {eng['target_tp']}")
+    alone = sum(r.get("ran") == "autoregressive" for r in rs)
+    if alone and mode != "autoregressive":
+        parts.append(f"target alone on {alone} of {len(rs)} requests")
+    return ", ".join(parts)
+
+
+def _equals(system: str, rs: list[dict]) -> str:
+    got = [r.get("matches_target") for r in rs]
+    if all(g is None for g in got):
+        return "reference" if system == "autoregressive" else "n/a"
+    own = " (own numerics)" if rs[0].get("engine") is None else ""
+    return f"{sum(bool(g) for g in got)}/{sum(g is not None for g in got)}{own}"
+
+
+def summary(names: list[str], results: Path = RESULTS) -> str:
+    """The compact end-to-end table of one or more ``swiftspec bench --out`` records (one machine):
+    per system decode tokens/s over all prompts, its ratio to our autoregressive and to llama.cpp of
+    the same record, mean time to first token, greedy equality with the target, the compression
+    ratio's range over the datasets; then the machine once and the command of each record."""
+    from swiftspec.benchmark.e2e import overall
+
+    recs = [_load(n, results) for n in names]
+    tots = [overall(r["records"]) for r in recs]
+    llama = any("llama-cpp" in t for t in tots)
+    rows = []
+    for k, (rec, tot) in enumerate(zip(recs, tots)):
+        for system, tps in tot.items():
+            rs = [r for r in rec["records"] if r["system"] == system]
+            by_ds = {}
+            for r in rs:
+                by_ds.setdefault(r["dataset"], []).append(r["compression_ratio"])
+            cr = sorted(statistics.mean(v) for v in by_ds.values())
+            rows.append({"record": str(k + 1), "system": f"`{system}`", "what ran": _what_ran(system, rs),
+                         "tokens/s": f"{tps:.2f}",
+                         "vs our autoregressive": f"{tps / tot['autoregressive']:.2f}x" if "autoregressive" in tot else "-",
+                         "vs llama.cpp": f"{tps / tot['llama-cpp']:.2f}x" if "llama-cpp" in tot else "-",
+                         "TTFT s": f"{statistics.mean(r['ttft_s'] for r in rs):.2f}",
+                         "equals target": _equals(system, rs),
+                         "compression ratio": f"{cr[0]:.2f}" + (f"-{cr[-1]:.2f}" if cr[-1] != cr[0] else "")})
+    cols = (["record"] if len(recs) > 1 else []) + ["system", "what ran", "tokens/s", "vs our autoregressive"] \
+        + (["vs llama.cpp"] if llama else []) + ["TTFT s"] \
+        + (["equals target"] if any(r["equals target"] not in ("n/a", "reference") for r in rows) else []) \
+        + ["compression ratio"]
+    machines = {_machine(r, r["records"]) for r in recs}
+    if len(machines) != 1:
+        raise ValueError(f"summary of records from different machines: {sorted(machines)}")
+    head = {"tokens/s": "decode tokens/s", "TTFT s": "time to first token, s"}
+    lines = [f"Machine: {machines.pop()}.", "",
+             "| " + " | ".join(head.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
+    lines.append("")
+    for k, (name, rec) in enumerate(zip(names, recs)):
+        lines.append((f"- record {k + 1}, " if len(recs) > 1 else "Record ")
+                     + f"`bench/results/{name}`, command: `{_command(rec)}`")
+    return "\n".join(lines)
+
+
+def generate_rows(names: list[str], results: Path = RESULTS) -> str:
+    """``swiftspec generate --json`` records (the README command), one row each."""
+    lines = ["| record | mode | tokens | decode tokens/s | time to first token, s | compression ratio |",
+             "|---|---|---|---|---|---|"]
+    for name in names:
+        r = _load(name, results)
+        lines.append(f"| {name} | {r['mode']} | {r['num_tokens']} | {r['tokens_per_s']:.2f} | {r['ttft_s']:.2f} | "
+                     f"{r['compression_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def block(spec: str, results: Path = RESULTS) -> str:
+    """The text of the generated block whose marker holds ``spec``: ``KIND FILE [FILE ...]``."""
+    kind, *names = spec.split()
+    if not names:
+        raise ValueError(f"block {spec!r}: no record named")
+    if kind == "record" and len(names) == 1:
+        rec = _load(names[0], results)
+        head = f"Record `bench/results/{names[0]}`"
+        if isinstance(rec, dict) and "records" not in rec and "table" not in rec:  # those two name their command
+            cmd = rec.get("command") or ("python " + shlex.join(rec["argv"]) if "argv" in rec else None)
+            head += f", command: `{cmd}`" if cmd else ""
+        return f"{head}:\n\n{render(rec)}"
+    if kind == "summary":
+        return summary(names, results)
+    if kind == "generate":
+        return generate_rows(names, results)
+    raise ValueError(f"block {spec!r}: KIND is record (one file), summary or generate")
+
+
+def regenerate(text: str, results: Path = RESULTS) -> str:
+    """``text`` with the body of every marked block replaced by what its records give."""
+    if len(BEGIN.findall(text)) != len(BLOCK.findall(text)):
+        raise ValueError("a '<!-- tables:begin SPEC -->' marker without its '<!-- tables:end SPEC -->'")
+    return BLOCK.sub(lambda m: f"<!-- tables:begin {m['spec']} -->\n{block(m['spec'], results)}\n"
+                               f"<!-- tables:end {m['spec']} -->", text)
+
+
+def specs(text: str) -> list[str]:
+    """The specs of the marked blocks in ``text``, in order."""
+    return [m["spec"] for m in BLOCK.finditer(text)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    paths = argv if argv is not None else sys.argv[1:]
-    if not paths:
-        print(__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("records", nargs="*", help="record files whose tables to print")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="compare every marked block with what its records give")
+    mode.add_argument("--write", action="store_true", help="regenerate every marked block in place")
+    args = ap.parse_args(argv)
+    if args.check or args.write:
+        stale = 0
+        for doc in DOCUMENTS:
+            path = ROOT / doc
+            text = path.read_text()
+            new = regenerate(text)
+            print(f"{doc}: {len(specs(text))} generated blocks" + ("" if new == text else ", out of date"))
+            if new != text:
+                stale += 1
+                if args.write:
+                    path.write_text(new)
+                else:
+                    sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
+                                                               f"{doc} (committed)", f"{doc} (from the records)"))
+        return 1 if stale and args.check else 0
+    if not args.records:
+        ap.print_help()
         return 2
-    for p in paths:
+    for p in args.records:
         print(f"## {p}\n\n{render(json.loads(Path(p).read_text()))}\n")
     return 0
 

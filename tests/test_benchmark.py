@@ -7,13 +7,6 @@ from swiftspec.benchmark.e2e import (InsufficientMemoryError, bar_chart, check_m
                                      overall, summarize, weight_bytes)
 
 
-def _committed(name: str, key: str = "records"):
-    """A field of a committed benchmark record under bench/results/."""
-    from pathlib import Path
-
-    return json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / name).read_text())[key]
-
-
 def _rec(system, ds, tps, cr=1.0, match=True):
     n = 65
     return {"system": system, "dataset": ds, "num_tokens": n, "decode_s": (n - 1) / tps, "tokens_per_s": tps,
@@ -399,301 +392,47 @@ def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
     assert peers._llama_cpp() is llama_cpp
 
 
-def test_every_committed_record_renders_and_the_readme_quotes_run13():
-    """bench/tables.py renders every record under bench/results/ (tables come from the JSON), and
-    the README's numbers of runs 13, 15, 16, 20, 24, 26, 27, 28, 29, 30 and 31 are those of their records."""
+def _tables():
+    """bench/tables.py, loaded as a module."""
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("tables", root / "bench" / "tables.py")
+    spec = importlib.util.spec_from_file_location("tables", Path(__file__).resolve().parents[1] / "bench" / "tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    files = sorted((root / "bench" / "results").glob("*.json"))
+    return tables
+
+
+def test_every_committed_record_renders():
+    """bench/tables.py renders every record under bench/results/ (tables come from the JSON) and
+    refuses what is no record of ours."""
+    tables = _tables()
+    files = sorted(tables.RESULTS.glob("*.json"))
     assert len(files) >= 10
     out = {f.name: tables.render(json.loads(f.read_text())) for f in files}
-    run13 = next(line for line in out["run13-avx2-6x5.json"].splitlines() if line.startswith("| autoregressive"))
-    readme = (root / "README.md").read_text()
-    assert run13.split("|")[8].strip() == "13.44" and "| 13.44 | 1.00x |" in readme
-    rows15 = {}
-    for line in out["run15-avx2-6x1-x8all.json"].splitlines():  # the first table: tokens/s
-        if line.startswith("| "):
-            rows15.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
-    assert (rows15["swiftspec-profiled"], rows15["autoregressive"], rows15["llama-cpp"]) == ("23.43", "22.03", "22.18")
-    assert "`serial` bs 4 decodes 23.4 tokens/s, 1.06x our `autoregressive` (22.0)" in " ".join(readme.split())
-    rows16 = {}
-    for line in out["run16-avx512-6x5-shallow.json"].splitlines():
-        if line.startswith("| "):
-            rows16.setdefault(line.split("|")[1].strip(), line.split("|")[8:10])
-    for system in ("swiftspec-profiled", "autoregressive", "llama-cpp"):
-        tps, ratio = rows16[system]
-        assert f"| {tps.strip()} | {ratio.strip()} |" in readme, system
-    rows = {}
-    for run in (28, 29):
-        for line in out[f"run{run}-zen5-avx512-6x5-shallow.json"].splitlines():  # tokens/s, TTFT
-            cells = line.split("|")
-            if line.startswith("| ") and len(cells) > 11:
-                rows.setdefault((run, cells[1].strip()), (cells[8].strip(), cells[10].strip()))
-    for system, label in (("swiftspec-profiled", "SwiftSpec `serial`, bs 2, d 1"), ("autoregressive", "our `autoregressive`"),
-                          ("llama-cpp", "llama.cpp on the same GGUF")):
-        tps, ttft = rows[29, system]
-        assert any(line.startswith(f"| {label}") and f"| {tps} |" in line and f"| {ttft} |" in line
-                   for line in readme.splitlines()), system
-    flat = " ".join(readme.split())
-    assert (f"{rows[28, 'swiftspec-profiled'][0]} tokens/s for the default mode (1.58x llama.cpp's "
-            f"{rows[28, 'llama-cpp'][0]}), {rows[28, 'autoregressive'][0]} for `autoregressive` (1.26x), TTFT "
-            f"{rows[28, 'swiftspec-profiled'][1]} / {rows[28, 'autoregressive'][1]} / {rows[28, 'llama-cpp'][1]} s") in flat
-    # run 29's whole-request ratio: tokens over time to first token plus decode time
-    recs29 = json.loads((root / "bench" / "results" / "run29-zen5-avx512-6x5-shallow.json").read_text())["records"]
-
-    def whole(system):
-        rs = [r for r in recs29 if r["system"] == system]
-        return sum(r["num_tokens"] for r in rs) / sum(r["ttft_s"] + r["decode_s"] for r in rs)
-
-    assert f"the default mode is {whole('swiftspec-profiled') / whole('llama-cpp'):.2f}x llama.cpp in this run" in flat
-    rows24 = {}
-    for line in out["run24-zen5-avx512-final-6x5-shallow.json"].splitlines():
-        if line.startswith("| "):
-            rows24.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
-    assert (f"{rows24['swiftspec-profiled']} tokens/s for the default mode (1.43x llama.cpp's {rows24['llama-cpp']}), "
-            f"{rows24['autoregressive']} for `autoregressive`") in " ".join(readme.split())
-    rows20 = {}
-    for line in out["run20-zen5-pipeline-2stages.json"].splitlines():
-        if line.startswith("| "):
-            rows20.setdefault(line.split("|")[1].strip(), line.split("|")[8].strip())
-    for system in ("pipeline-autoregressive", "pipedec", "pipeinfer"):
-        assert any(line.startswith(f"| `{system}`") and f"| {rows20[system]} |" in line
-                   for line in readme.splitlines()), system
-    # run 26: the AVX2 build's ratios the README quotes, from their records
-    from swiftspec.benchmark.e2e import overall
-
-    records = _committed
-
-    def ratio(name, system, ref, dataset=None):
-        tot = overall([r for r in records(name) if dataset is None or r["dataset"] == dataset])
-        return f"{tot[system] / tot[ref]:.2f}x"
-
-    text = " ".join(readme.split())
-    llama = [f"run26-zen5-avx2build-6x5-llamacpp-avx2{s}.json" for s in ("", "-q5bits")]
-    assert (f"the default mode {ratio(llama[0], 'swiftspec-profiled', 'llama-cpp')} and "
-            f"{ratio(llama[1], 'swiftspec-profiled', 'llama-cpp')}") in text
-    assert (f"our `autoregressive` {ratio(llama[0], 'autoregressive', 'llama-cpp')} and "
-            f"{ratio(llama[1], 'autoregressive', 'llama-cpp')}") in text
-    # run 30: the same comparison with the prefetching AVX2 kernel, and without it, alternating
-    run30 = [f"run30-zen5-avx2build-6x5-llamacpp-avx2-{s}.json" for s in ("1", "2", "noprefetch-1", "noprefetch-2")]
-    assert (f"the default mode {ratio(run30[0], 'swiftspec-profiled', 'llama-cpp')} and "
-            f"{ratio(run30[1], 'swiftspec-profiled', 'llama-cpp')} llama.cpp, our `autoregressive` "
-            f"{ratio(run30[0], 'autoregressive', 'llama-cpp')} and {ratio(run30[1], 'autoregressive', 'llama-cpp')}") in text
-    assert (f"the code before the prefetch, alternating with them: {ratio(run30[2], 'swiftspec-profiled', 'llama-cpp')} "
-            f"and {ratio(run30[3], 'swiftspec-profiled', 'llama-cpp')}") in text
-    sum_ratios = [ratio(n, "swiftspec-profiled", "autoregressive", "sum") for n in run30[:2]]
-    assert f"the default mode decodes {sum_ratios[0]} and {sum_ratios[1]} our `autoregressive`" in text
-    # run 31: the default configuration (the draft's payback gate) beside the same shape without it
-    auto, plain = "swiftspec-profiled[auto]", "swiftspec-profiled[serial-bs2-d1]"
-    run31 = [f"run31-zen5-avx2build-6x5-payback-{i}.json" for i in (1, 2)]
-    assert (f"the default mode {ratio(run31[0], auto, 'llama-cpp')} and {ratio(run31[1], auto, 'llama-cpp')} "
-            f"llama.cpp, without the gate {ratio(run31[0], plain, 'llama-cpp')} and {ratio(run31[1], plain, 'llama-cpp')}, "
-            f"our `autoregressive` {ratio(run31[0], 'autoregressive', 'llama-cpp')} and "
-            f"{ratio(run31[1], 'autoregressive', 'llama-cpp')}, 30/30 equal") in text
-
-    def time_ratio(name, system, ref, dataset):  # requests' time: time to first token plus decode
-        t = {k: sum(r["ttft_s"] + r["decode_s"] for r in records(name) if r["system"] == k and r["dataset"] == dataset)
-             for k in (system, ref)}
-        return f"{t[system] / t[ref]:.2f}x"
-
-    sums = [time_ratio(n, s, "autoregressive", "sum") for s in (auto, plain) for n in run31]
-    assert (f"they take {sums[0]} and {sums[1]} the target alone's time against {sums[2]} and {sums[3]} "
-            f"without it") in text
-    name31 = "run31-zen5-avx512-6x5-payback.json"
-    tot31 = overall(records(name31))
-    assert (f"the default mode {tot31[auto]:.2f} tokens/s = {tot31[auto] / tot31['llama-cpp']:.2f}x llama.cpp's "
-            f"{tot31['llama-cpp']:.2f}, without the gate {tot31[plain] / tot31['llama-cpp']:.2f}x, our `autoregressive` "
-            f"{tot31['autoregressive'] / tot31['llama-cpp']:.2f}x, llama.cpp's speculative mode "
-            f"{tot31['llama-cpp-spec'] / tot31['llama-cpp']:.2f}x") in text
-    assert (f"the summarization requests take {time_ratio(name31, auto, 'autoregressive', 'sum')} the target alone's "
-            f"time with the gate and {time_ratio(name31, plain, 'autoregressive', 'sum')} without") in text
-    name33 = "run33-zen3-6x5-1.json"
-    for name in run31 + [name31, name33, "run34-zen3-6x5-1.json", "run34-zen3-6x5-2.json",
-                         "run36-zen3-6x5.json", "run37-zen3-6x5.json",
-                         "run37-zen3-6x5-2.json"]:  # every SwiftSpec row equals the target; the gate ran the long prompts alone
-        rs = [r for r in records(name) if r["system"] in (auto, plain)]
-        assert all(r["matches_target"] for r in rs) and len(rs) == 60
-        assert {r["dataset"] for r in rs if r["ran"] == "autoregressive"} == {"sum"}
-    cmd = [json.loads((root / "bench" / "results" / f"readme-command-zen5-run31-{i}.json").read_text())["metrics"]
-           for i in (1, 2)]
-    assert all(m["mode"] == "serial" for m in cmd)
-    assert (f"decoded at {cmd[0]['tokens_per_s']:.1f} and {cmd[1]['tokens_per_s']:.1f} tokens/s in two runs, time to "
-            f"first token {cmd[0]['ttft_s']:.2f} / {cmd[1]['ttft_s']:.2f} s") in text
-    shallow = ratio("run26-zen5-avx2build-6x5-shapes.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
-    again = ratio("run26-zen5-avx2build-6x5-shallow.json", "swiftspec-profiled[serial-bs2-d1]", "autoregressive")
-    assert f"`serial` bs 2, d 1 decodes {shallow} and {again} our `autoregressive`" in text
-    # runs 34 and 33 (a real Zen 3): the README's table, ratios and forward times are those of their records
-    name34 = "run34-zen3-6x5-1.json"
-    tot34, tot33 = overall(records(name34)), overall(records(name33))
-    for system, label in ((auto, "SwiftSpec, default configuration"), (plain, "the same without the gate"),
-                          ("autoregressive", "our `autoregressive`"), ("llama-cpp", "llama.cpp on the same GGUF")):
-        row = f"{tot34[system]:.2f} | {tot34[system] / tot34['llama-cpp']:.2f}x |"
-        assert any(line.startswith(f"| {label}") and row in line for line in readme.splitlines()), system
-    assert (f"the default mode decodes {tot34[auto] / tot34['llama-cpp']:.2f}x llama.cpp, our `autoregressive` "
-            f"{tot34['autoregressive'] / tot34['llama-cpp']:.2f}x;") in text
-    assert (f"the previous run (run 33, the same code but for the huge pages below) {tot33[auto] / tot33['llama-cpp']:.2f}x "
-            f"and {tot33['autoregressive'] / tot33['llama-cpp']:.2f}x") in text
-    def vs_llama(tot, system):  # a system's overall tokens/s against llama.cpp's, as quoted
-        return f"{tot[system] / tot['llama-cpp']:.2f}x"
-
-    def readme_ab(run):  # the README command's before / after tokens/s of a run, as quoted
-        ab = {s: " / ".join(f"{records(f'readme-command-zen3-run{run}-{s}-{i}.json', 'metrics')['tokens_per_s']:.2f}"
-                            for i in (1, 2, 3)) for s in ("before", "after")}
-        return f"{ab['before']} tokens/s before, {ab['after']} after"
-
-    tot36 = overall(records("run36-zen3-6x5.json"))
-    assert (f"a later session (run 36, the same command) {vs_llama(tot36, auto)} and "
-            f"{vs_llama(tot36, 'autoregressive')}") in text
-    results = " ".join((root / "bench" / "RESULTS.md").read_text().split())
-    assert (f"The default mode decodes **{vs_llama(tot36, auto)} llama.cpp** (goal 1.3x: not met; "
-            f"runs 33-34: 1.09-1.16x), our `autoregressive` {vs_llama(tot36, 'autoregressive')}") in results
-    assert f"On QA speculation lost ({ratio('run36-zen3-6x5.json', auto, 'autoregressive', 'qa')} our `autoregressive`" in results
-    assert readme_ab(36) in results
-    # run 37 (every layer in one C++ call): README and RESULTS quote its record, its forward and README-command A/B
-    tot37 = overall(records("run37-zen3-6x5.json"))
-    assert (f"(run 37, the same command) the default mode decoded {vs_llama(tot37, auto)} "
-            f"llama.cpp and our `autoregressive` {vs_llama(tot37, 'autoregressive')}") in text
-    assert (f"The default mode decodes **{vs_llama(tot37, auto)} llama.cpp** (goal 1.3x: not met; "
-            f"runs 33-36: 1.09-1.16x), our `autoregressive` {vs_llama(tot37, 'autoregressive')}") in results
-    assert (f"without the gate {vs_llama(tot37, plain)}, llama.cpp's speculative mode "
-            f"{vs_llama(tot37, 'llama-cpp-spec')}") in results
-    assert (f"(default mode {tot37[auto] / tot37['autoregressive']:.2f}x our `autoregressive`; QA "
-            f"{ratio('run37-zen3-6x5.json', auto, 'autoregressive', 'qa')}") in results
-    tot37b = overall(records("run37-zen3-6x5-2.json"))
-    assert (f"measured the default mode at {vs_llama(tot37b, auto)} llama.cpp and our `autoregressive` "
-            f"at {vs_llama(tot37b, 'autoregressive')}") in results
-    assert f"second run right after it {vs_llama(tot37b, auto)} and {vs_llama(tot37b, 'autoregressive')}" in text
-    assert readme_ab(37) in results
-    for model, row in (("target", 1), ("target", 2), ("draft", 1), ("draft", 2)):
-        ms = {s: " / ".join(f"{records(f'native-forward-{model}-zen3-run37-{s}-{i}.json', 'rows')[row - 1]['ms']:.1f}"
-                            for i in (1, 2)) for s in ("before", "after")}
-        assert f"| {model} | {row} | {ms['before']} | {ms['after']} |" in results, (model, row)
-    share = {s: [f"{100 * records(f'native-forward-target-zen3-run37-{s}-{i}.json', 'rows')[0]['of_bandwidth']:.0f} %"
-                 for i in (1, 2)] for s in ("before", "after")}
-    assert (f"reached {share['after'][0]} and {share['after'][1]} of the probe's bandwidth in the two after-runs "
-            f"({share['before'][0]} and {share['before'][1]} before)") in results
-    tot34b = overall(records("run34-zen3-6x5-2.json"))
-    assert (f"a second run of the same code right after it measured {tot34b[auto] / tot34b['llama-cpp']:.2f}x and "
-            f"{tot34b['autoregressive'] / tot34b['llama-cpp']:.2f}x") in text
-    assert (f"(the default mode {ratio(name34, auto, 'autoregressive', 'qa')} our `autoregressive` there in run 34, "
-            f"{ratio(name33, auto, 'autoregressive', 'qa')} in run 33)") in text
-    for run in (34, 33):
-        for model, rows in (("target", (1, 2, 4, 8)), ("draft", (1, 2))):
-            rec = {r["rows"]: r for r in records(f"native-forward-{model}-zen3-run{run}.json", "rows")}
-            assert " / ".join(f"{rec[n]['ms']:.1f}" for n in rows) in text, (run, model)
-            if model == "target":
-                assert (f"{100 * rec[1]['of_bandwidth']:.0f} % of {'the read bandwidth at 1 row against that run' + chr(39) + 's probe of ' if run == 34 else ''}"
-                        f"{rec[1]['bandwidth_gb_s']:.1f} GB/s") in text, run
-    cmd34, cmd33 = ([records(f"readme-command-zen3-run{run}-{i}.json", "metrics") for i in (1, 2)] for run in (34, 33))
-    assert all(m["mode"] == "serial" for m in cmd34 + cmd33)
-    assert (f"decoded at {cmd34[0]['tokens_per_s']:.1f} and {cmd34[1]['tokens_per_s']:.1f} tokens/s in two runs "
-            f"(`bench/results/readme-command-zen3-run34-{{1,2}}.json`; {cmd33[0]['tokens_per_s']:.1f} and "
-            f"{cmd33[1]['tokens_per_s']:.1f} in run 33)") in text
-    for model, names in (("target", ("-1", "-2")), ("draft", ("",))):  # the huge pages' median speedups
-        med = [r["speedup_median"] for s in names for r in records(f"huge-pages-{model}-zen3-run34{s}.json", "results")]
-        assert f"was {min(med):.3f}-{max(med):.3f}x for the {model}" in text or \
-            f"and {min(med):.3f}-{max(med):.3f}x for the {model}" in text, model
-    # run 32 (an H100): the README's GPU numbers are those of their records
-    tot = overall(records("gpu-h100-run32-e2e.json"))
-    ar = tot["autoregressive"]
-    fwd = records("gpu-h100-run32-device-forward.json", "rows")[0]
-    before = records("gpu-h100-run32-device-forward-before.json", "rows")[0]
-    assert (fwd["rows"], fwd["model"]) == (before["rows"], before["model"]) == (1, "qwen2.5-coder-1.5b-instruct")
-    assert (f"takes {1e3 * fwd['graph_s']:.2f} ms at 1 row with a 512-token cache, {100 * fwd['of_limit']:.0f} % of "
-            f"the HBM limit ({1e3 * fwd['limit_s']:.2f} ms), {before['graph_s'] / fwd['graph_s']:.2f}x faster") in text
-    assert (f"our `autoregressive` decodes {ar:.2f} tokens/s ({100 * fwd['limit_s'] * ar:.0f} % of the HBM limit "
-            f"per token), {ar / tot['hf-compile']:.2f}x transformers with a static cache + `torch.compile` "
-            f"({tot['hf-compile']:.2f}); `serial` {tot['swiftspec-serial']:.2f} ({tot['swiftspec-serial'] / ar:.2f}x "
-            f"ours), `colocated` {tot['swiftspec-colocated']:.2f} ({tot['swiftspec-colocated'] / ar:.2f}x), `colocated` "
-            f"with the draft on 32 SMs {tot['swiftspec-profiled']:.2f} ({tot['swiftspec-profiled'] / ar:.2f}x)") in text
-    assert {r["engine"]["draft_sms"] for r in records("gpu-h100-run32-e2e.json")
-            if r["system"] == "swiftspec-profiled"} == {32}
-    # run 35 (an H200): the forward with the slots in use on the device (and over the whole
-    # capacity beside it), end to end, and the alternating before / after calls
-    fwd35 = {(r["model"].split("-")[2], r["rows"]): r for r in records("gpu-h200-run35-device-forward.json", "rows")}
-    t1, t8, d1, d8 = (fwd35[k] for k in (("1.5b", 1), ("1.5b", 8), ("0.5b", 1), ("0.5b", 8)))
-    gain = {k: r["graph_unbounded_s"] / r["graph_s"] for k, r in (("t1", t1), ("t8", t8), ("d1", d1), ("d8", d8))}
-    assert all(r["capacity"] == 4104 for r in fwd35.values())
-    assert (f"takes {1e3 * t1['graph_s']:.2f} ms at 1 row ({100 * t1['of_limit']:.0f} % of the HBM limit, "
-            f"{1e3 * t1['limit_s']:.2f} ms), {gain['t1']:.2f}x faster than over the whole capacity, and "
-            f"{1e3 * t8['graph_s']:.2f} ms at 8 rows ({gain['t8']:.2f}x); the draft's {gain['d1']:.2f}x / "
-            f"{gain['d8']:.2f}x") in text
-    tot35, tot35b = (overall(records(f"gpu-h200-run35-{n}.json")) for n in ("e2e", "e2e-colocated-hf-compile"))
-    ar35, ar35b = tot35["autoregressive"], tot35b["autoregressive"]
-    assert (f"decodes {ar35:.2f} tokens/s, {100 * t1['limit_s'] * ar35:.0f} % of the HBM limit per token (a second call "
-            f"on the same machine: {ar35b:.2f}, {100 * t1['limit_s'] * ar35b:.0f} %), {ar35b / tot35b['hf-compile']:.2f}x "
-            f"`hf-compile` ({tot35b['hf-compile']:.2f}, its first prompt paying for compilation); `serial` "
-            f"{tot35['swiftspec-serial'] / ar35:.2f}x ours, `colocated` {tot35b['swiftspec-colocated'] / ar35b:.2f}x") in text
-    ab = {}
-    for i, tree in ((1, "old"), (2, "new"), (3, "old"), (4, "new")):
-        rec = json.loads((root / "bench" / "results" / f"gpu-h200-run35-e2e-ab-{i}-{tree}.json").read_text())
-        ab[i] = {r["system"]: r["all"] for r in rec["table"]}
-        if "records" in rec:  # the first call's own JSON: its table is what its records give
-            assert {k: f"{v:.2f}" for k, v in overall(rec["records"]).items()} == ab[i]
-    for system, label in (("autoregressive", "`autoregressive`"), ("swiftspec-serial", "`serial`")):
-        assert (f"{label} {ab[1][system]} -> {ab[2][system]} and {ab[3][system]} -> {ab[4][system]}") in text, system
+    assert all(text.strip() for text in out.values())
     with pytest.raises(ValueError):
         tables.render({"something": "else"})
 
 
-def test_readme_and_results_quote_run38():
-    """Run 38 (the ngram mode by default on AVX2, a real Zen 3): README's table and the quoted
-    ratios are those of the record; every SwiftSpec request equals the target; the README command's
-    records ran the modes they are quoted for."""
-    from pathlib import Path
+def test_readme_and_results_numbers_are_those_of_their_records():
+    """Every generated block of README.md and bench/RESULTS.md (``<!-- tables:begin KIND FILE ... -->``)
+    equals what bench/tables.py makes of its committed records now: a number changed in a document
+    or in a record fails here. README's measured numbers stand in such blocks only."""
+    import re
 
-    root = Path(__file__).resolve().parents[1]
-
-    records = _committed
-    readme = (root / "README.md").read_text()
-    text = " ".join(readme.split())
-    results = " ".join((root / "bench" / "RESULTS.md").read_text().split())
-    recs = records("run38-zen3-6x5.json")
-    tot = overall(recs)
-    auto, prev = "swiftspec-profiled[auto]", "swiftspec-profiled[serial-bs2-d1-payback]"
-    for system, label in ((auto, "SwiftSpec, default configuration (`mode=\"auto\"`: `ngram`"),
-                          (prev, "SwiftSpec, the previous default"), ("autoregressive", "our `autoregressive`"),
-                          ("llama-cpp", "llama.cpp on the same GGUF"), ("llama-cpp-spec", "llama.cpp speculative")):
-        row = f"| {tot[system]:.2f} | {tot[system] / tot['llama-cpp']:.2f}x |"
-        assert any(line.startswith(f"| {label}") and row in line for line in readme.splitlines()), system
-    assert {r["ran"] for r in recs if r["system"] == auto} == {"ngram"}
-    assert {r["dataset"] for r in recs if r["system"] == prev and r["ran"] == "autoregressive"} == {"sum"}
-    assert all(r["matches_target"] for r in recs if r["system"] in (auto, prev))
-    assert len([r for r in recs if r["system"] in (auto, prev)]) == 60
-
-    def vs_ar(system, dataset):
-        t = overall([r for r in recs if r["dataset"] == dataset])
-        return f"{t[system] / t['autoregressive']:.2f}x"
-
-    ds = ("humaneval", "sum", "gsm8k", "qa", "mt_bench", "alpaca")
-    names = ("HumanEval", "SUM", "GSM8K", "QA", "MT-bench", "alpaca")
-    assert ", ".join(f"{n} {vs_ar(auto, d)}" for n, d in zip(names, ds)) in results
-    assert f"(the previous default: {' / '.join(vs_ar(prev, d) for d in ds)})" in results
-    assert (f"The default mode decodes **{tot[auto] / tot['llama-cpp']:.2f}x llama.cpp** (goal 1.3x: met on this CPU "
-            f"for the first time; runs 33-37: 1.09-1.27x), the previous default {tot[prev] / tot['llama-cpp']:.2f}x, "
-            f"our `autoregressive` {tot['autoregressive'] / tot['llama-cpp']:.2f}x, llama.cpp's speculative mode "
-            f"{tot['llama-cpp-spec'] / tot['llama-cpp']:.2f}x") in results
-    assert (f"(HumanEval {vs_ar(auto, 'humaneval')} our `autoregressive`, summaries {vs_ar(auto, 'sum')}) and loses "
-            f"nothing where it finds no match (alpaca {vs_ar(auto, 'alpaca')})") in text
-    recs2 = records("run38-zen3-6x5-2.json")
-    assert all(r["matches_target"] for r in recs2 if r["system"] in (auto, prev))
-    assert len([r for r in recs2 if r["system"] in (auto, prev)]) == 60
-    tot2 = overall(recs2)
-    vs = [f"{tot2[s] / tot2['llama-cpp']:.2f}x" for s in (auto, prev, "autoregressive")]
-    assert f"a second run right after it: {vs[0]}, {vs[1]} and {vs[2]}," in text
-    assert (f"measured the default mode at {vs[0]} llama.cpp, the previous default at {vs[1]} and our "
-            f"`autoregressive` at {vs[2]}.") in results
-    cmd = {s: [records(f"readme-command-zen3-run38-{s}-{i}.json", "metrics") for i in (1, 2, 3)]
-           for s in ("auto", "serial")}
-    assert {m["mode"] for m in cmd["auto"]} == {"ngram"} and {m["mode"] for m in cmd["serial"]} == {"serial"}
-    tps = {s: " / ".join(f"{m['tokens_per_s']:.2f}" for m in ms) for s, ms in cmd.items()}
-    assert f"decoded {tps['auto']} tokens/s with `ngram` and {tps['serial']} with the previous default" in text
-    assert f"{tps['serial']} tokens/s with the draft" in results and f"{tps['auto']} with `ngram`" in results
+    tables = _tables()
+    for doc, least in (("README.md", 4), ("bench/RESULTS.md", 10)):
+        text = (tables.ROOT / doc).read_text()
+        blocks = list(tables.BLOCK.finditer(text))
+        assert len(blocks) >= least, doc
+        for m in blocks:
+            assert m["body"] == tables.block(m["spec"]) + "\n", f"{doc}: {m['spec']} (python bench/tables.py --write)"
+        assert tables.regenerate(text) == text, doc
+    readme = tables.BLOCK.sub("", (tables.ROOT / "README.md").read_text())
+    assert not re.findall(r"\d\s?(?:x\b|%|tokens/s|ms\b|GB/s|TB/s|minutes)", readme)
+    with pytest.raises(ValueError):  # a block without its end marker is an error, not skipped
+        tables.regenerate("<!-- tables:begin record run38-zen3-6x5.json -->\n| 1 |\n")
 
 
 def test_device_forward_on_cpu_with_random_weights(tmp_path, monkeypatch):

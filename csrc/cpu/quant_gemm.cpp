@@ -67,15 +67,16 @@ unsigned amd_family() {
 
 // AMD family 0x1A and later (Zen 5): 512-bit integer ops at full width, where the 512-bit kernel
 // on the 16-row interleaved layout measured faster than the 256-bit one on the 8-row layout at
-// every row count of the target's and the draft's forward (bench/RESULTS.md, run 19). Elsewhere
-// (Zen 4 runs 512-bit ops in two halves; the Intel CPUs were not measured) the 256-bit kernel
+// every row count of the target's and the draft's forward (bench/LOG.md, "AMD Zen 5, weights
+// interleaved by 16 rows"). Elsewhere
+// (Zen 4 executes 512-bit ops in two halves; the Intel CPUs were not measured) the 256-bit kernel
 // stays first; the engine interleaves by 16 rows only where the dispatched kernel reads that.
 bool cpu_prefers_512() { return amd_family() >= 0x1A; }
 
 // Whether the 8-row layout's kernels (avx2, avx512_vnni) prefetch their blocks ahead as the
-// 16-row one does: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward 6-24 %
-// faster at 1-4 rows on Zen 5 (bench/RESULTS.md, run 30); not elsewhere (on an Intel Xeon a
-// prefetch slowed their one-row forward, run 17).
+// 16-row one does: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward faster at
+// 1-4 rows on Zen 5; not elsewhere (on an Intel Xeon a prefetch slowed their one-row forward;
+// bench/LOG.md, "The 8-row layout prefetches on AMD").
 bool prefetch_x8() {
   static const bool on = amd_family() != 0;
   return on;

@@ -132,12 +132,12 @@ static inline void x8_finish(float* f, V isum, V msum, F d, F dmin, float da) {
 // block prefetches the one kPrefetchBytes ahead (3 Q4_K blocks, 2 Q6_K, 18 Q5_0), through the end
 // of its group into the next group's blocks, which lie right after (x8_group's groups are
 // consecutive; past the weight's end a prefetch is a no-op). Measured on AMD Zen 5, a one-thread
-// probe of the kernel and the forward (bench/RESULTS.md, "AMD Zen 5: prefetch distance"): one
+// probe of the kernel and the forward (bench/LOG.md, "AMD Zen 5: prefetch distance"): one
 // block ahead, stopping at the group's end, left the 32-value types (352-byte blocks) streaming far
 // below the read rate and the K types' 4-8 row products waiting on DRAM; 4 KiB and 12 KiB, or into
 // L2, or spread through the block's products, were no better. The 8-row kernels do the same on AMD
-// CPUs only (Problem::prefetch_x8: 6-24 % faster at 1-4 rows on Zen 5, run 30; on an Intel Xeon
-// a prefetch slowed their one-row forward, run 17). Only a group's first 16 rows
+// CPUs only (Problem::prefetch_x8: faster at 1-4 rows on Zen 5; on an Intel Xeon a prefetch slowed
+// their one-row forward; bench/LOG.md, "The 8-row layout prefetches on AMD"). Only a group's first 16 rows
 // prefetch (X8Rows::prefetch): a prefill's later rows find the group's blocks in L1/L2, where the
 // prefetches only cost issue slots (3-8 % of a 16-row Q4_K block's time, one-thread probe).
 constexpr int64_t kPrefetchBytes = 6144;
@@ -284,7 +284,7 @@ static inline Q6KTables<V> q6k_tables(const uint8_t* blk) {
 // The pinned registers (QG_KEEP) keep each sub-block's scaling where it is written: without them
 // GCC 12 kept every sub-block's sums to scale them at the end of the block, spilling ~250 vector
 // registers per block at 8 rows, and the kernels ran 7-19 % slower at 4-8 rows (avx512_vnni_512,
-// avx512_vnni and avx2; bench/RESULTS.md, "Q6_K without spills").
+// avx512_vnni and avx2; bench/LOG.md, "Q6_K without spills").
 template <class V, int MR>
 __attribute__((always_inline)) static inline void q6k_x8_rows(const uint8_t* blk, int64_t b,
                                                              const Q6KTables<V>& t, const X8Rows& r, int i0) {

@@ -13,7 +13,7 @@
 // and a warp butterfly reduction finishes each dot product. On the 16-byte vector path each lane
 // requests its next step's weights before this step's FMAs (one step of lookahead).
 //
-// Measured on an H100 (bench/RESULTS.md, "CUDA kernels on an H100"): staging with scalar loads and
+// Measured on an H100 (bench/LOG.md, "CUDA kernels on an H100"): staging with scalar loads and
 // no lookahead ran M = 8 at 0.44-0.75x of cuBLAS on the larger shapes; vector staging plus the
 // lookahead brought that to 0.72-1.0x. Reading x straight from global memory instead of staging
 // it (no barriers) was slower still at M = 8 (0.34-0.64x): the streamed weights evict x from L1.

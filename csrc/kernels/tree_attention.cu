@@ -36,14 +36,16 @@
 // cache; its value is recomputed from k_new / v_new (a few rows, rare). This removes any ordering
 // requirement between writer and readers inside the launch.
 //
-// History (bench/RESULTS.md run 32): the first version (one thread per (row, key) score over a
-// shared-memory tile, one thread per row for the softmax) spent 66 us per call on the default
-// target's heads at 513 keys on an H200 (run 27): latency-bound serial steps. This layout: 13.9 us
-// at 1 query row and 41 us at 8 on an H100, and the target's graph-replayed forward 1.70x / 1.31x
-// faster at 1 / 8 rows than with the first version. Run 35 (H200) bounded a CUDA graph's launch by
-// the device-side KV length (1.19x / 1.36x faster target forwards at 1 / 8 rows with the engine's
-// 4104-slot cache); ncu there shows the 8-row launch latency-bound (160 registers a thread and 42 KB
-// of static shared memory allow 3 blocks per SM; about 10 % achieved occupancy): the next step.
+// Why this layout: a decode step's attention has few query rows and a short KV cache, so it is
+// bound by latency, not bandwidth. The first version (one thread per (row, key) score over a shared-memory
+// tile, one thread per row for the softmax) spent most of a target forward in this kernel on
+// serial steps; spreading a key over a lane group, reducing scores with shuffles and staging a
+// sub-chunk of keys and values per block made the graph-replayed forward markedly faster at 1 and
+// 8 rows, and bounding a CUDA graph's launch by the device-side KV length (instead of the cache's
+// whole capacity) faster again (bench/LOG.md: "The tree-attention kernel rebuilt", "CUDA graphs
+// attend over the slots in use"; current forward tables in bench/RESULTS.md). The 8-row launch is
+// still latency-bound (160 registers a thread and 42 KB of static shared memory allow 3 blocks per
+// SM, low achieved occupancy under ncu): the next step.
 #include <math.h>
 
 #include "api.h"

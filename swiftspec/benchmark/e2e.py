@@ -55,7 +55,7 @@ ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swif
                 "swiftspec-serial-nokernels": "serial", "autoregressive-nokernels": "autoregressive",
                 "swiftspec-serial-dequantized": "serial", "autoregressive-dequantized": "autoregressive",
                 "pipeline-autoregressive": "pipeline-autoregressive", "pipedec": "pipedec", "pipeinfer": "pipeinfer"}
-# the pipeline modes run 2 stages, each on its own share of the cores (swiftspec.pipeline.stages)
+# the pipeline modes use 2 stages, each on its own share of the cores (swiftspec.pipeline.stages)
 PIPELINE_STAGES = 2
 # "-dequantized": every weight dequantized in the activation dtype (the engine before native weights)
 

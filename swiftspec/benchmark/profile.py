@@ -10,18 +10,19 @@ to end on calibration prompts and write the chosen configuration as JSON for
 
 Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
 where draft and target take turns on every device, with the default tree, the shallow one
-(``engine.SHALLOW_TREE``: bs 2, one expansion; bench/RESULTS.md run 16) and a middle one
+(``engine.SHALLOW_TREE``: bs 2, one expansion, the fastest with AVX-512 VNNI) and a middle one
 (:data:`MIDDLE_TREE`: bs 4, two expansions, within a few percent of the shallow one on AMD Zen 5,
-run 26, so a machine where it is clearly faster gets it); and so is the target alone
-(``autoregressive``), which wins where a verification batch costs more than it saves, and the
-target alone verifying prompt-lookup proposals (``ngram``: no draft forward, no draft prefill). The paper's
-GPUs gain from splitting because a group's speed grows slowly with its size; on a few CPU cores
-the target's speed is about proportional to its cores (bench/RESULTS.md: 8-row verification 182
-ms on one core, and 233 ms while the draft streams its weights on the other), so sharing can
-win, and the profile says so instead of assuming the split. The engine's defaults are kept unless
-a candidate beats them by more than ``margin`` (run-to-run noise on a shared machine is several
-percent, and a winner by noise does worse than the defaults on prompts the profile did not see),
-both in the sweep and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
+so a machine where it is clearly faster gets it; bench/LOG.md, "Tree shapes side by side"); and so
+is the target alone (``autoregressive``), which wins where a verification batch costs more than it
+saves, and the target alone verifying prompt-lookup proposals (``ngram``: no draft forward, no
+draft prefill). The paper's GPUs gain from splitting because a group's speed grows slowly with its
+size; on a few CPU cores the target's speed is about proportional to its cores (bench/LOG.md,
+"Allocation profile": an 8-row verification took nearly twice as long on one core as on two, and
+longer still while the draft streamed its weights on the other core), so sharing can win, and the
+profile says so instead of assuming the split. The engine's defaults are kept unless a candidate
+beats them by more than ``margin`` (run-to-run noise on a shared machine is several percent, and a
+winner by noise does worse than the defaults on prompts the profile did not see), both in the sweep
+and in a fresh side-by-side measurement of the two (:func:`choose_confirmed`).
 The chosen mode is also stored for ``mode="auto"`` on this machine and model pair
 (:mod:`swiftspec.engine.machine_profile`).
 
@@ -65,7 +66,8 @@ def d_candidates(t_target: float, t_draft: float) -> list[int]:
 # Tree shapes (bs, w) tried by --sweep after the defaults: wider and narrower expansions, smaller and
 # bigger subgraphs (a verification costs more per row on CPUs, so bs trades depth for target time).
 SWEEP_SHAPES = [(8, 4), (8, 1), (6, 2), (12, 2), (4, 4), (16, 8)]
-# the serial tree between the shallow one and the default: bs 4, two expansions (bench/RESULTS.md run 26)
+# the serial tree between the shallow one and the default: bs 4, two expansions (bench/LOG.md, "Tree shapes
+# side by side")
 MIDDLE_TREE = {"bs": 4, "d": 2}
 
 

@@ -77,7 +77,8 @@ class EngineConfig:
             8, 2, w, 1024, 256.
         ngram_min / ngram_max / ngram_tokens: the "ngram" mode's lookup lengths and proposal
             length (:class:`swiftspec.spec_decode.ngram.NgramParams`); defaults 2, 4, 1: a verification of
-            two rows costs little more than one on a CPU, a third row much more (bench/RESULTS.md).
+            two rows costs little more than one on a CPU, more rows cost more (the forward tables
+            in bench/RESULTS.md).
         d: expansions per iteration; None = automatic in async, 3 in serial; in colocated
             the most that may overlap one verification (None: as many as fit).
         max_model_len: context length in tokens (prompt + generation).
@@ -109,8 +110,8 @@ class EngineConfig:
             device, so two could overlap: only the draft's share is fenced). None (default): no
             partition. Needs mode "colocated" (or "auto" resolving to it) and a CUDA device
             (``ValueError`` otherwise); a torch or driver without green contexts raises
-            ``RuntimeError`` when the workers start. Measured on an H100 (bench/RESULTS.md run
-            32): 32 SMs made ``colocated`` 0.90x as fast as without a partition.
+            ``RuntimeError`` when the workers start. Measured on an H100 (bench/RESULTS.md, the
+            H100 table): 32 SMs made ``colocated`` 0.90x as fast as without a partition.
         start_timeout_s: seconds to wait for the workers to load their models.
     """
 
@@ -125,7 +126,7 @@ class EngineConfig:
     target_tp: int = 1
     draft_tp: int = 1
     bs: int = 8
-    # w = topk = 2, not the paper's 8: on 2 CPU cores (bench/RESULTS.md) a 2-leaf draft expansion
+    # w = topk = 2, not the paper's 8: on 2 CPU cores (bench/LOG.md) a 2-leaf draft expansion
     # costs about half a 4-leaf one (36 vs 65 ms), so the tree grows deeper per verification (async
     # 9.4 vs 7.2 tokens/s with w = 4, 2026-11-22, before the L2 prefetch; not re-swept since)
     w: int = 2
@@ -246,22 +247,26 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 
     "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
     pair when one is stored (``profiled``, :func:`swiftspec.engine.machine_profile.cached_profile`).
-    Before a profile exists it follows what was measured (bench/RESULTS.md): with several NUMA
-    nodes each group gets a memory bus of its own and ``async`` runs. Where every core shares one
-    bus and the target reads its GGUF blocks (``target_native``) with a SIMD kernel, the default
-    pair's draft forward costs ~0.3x the target's and a verification of n nodes grows with n, so
-    ``serial`` with a two-node subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion) decodes
-    fastest with AVX-512 VNNI (run 16: 1.06x ``autoregressive``, where bs 4 with 3 expansions was
-    0.95x; run 26, side by side on AMD Zen 5: 1.27x, deeper trees 1.24-1.31x, within the 5 %
-    ``swiftspec profile`` asks of a change). With AVX2 alone (no VNNI: a two-row verification
-    costs ~1.15x a one-row step, the draft's forward ~0.35x) it gained 1.03-1.10x on a real
-    AMD Zen 3 (runs 33-38) while ``ngram`` (the target alone verifying prompt-lookup proposals:
-    no draft forward, no draft prefill) measured 1.16x in the same run on the same 30 prompts
-    (run 38: 1.42x llama.cpp), so AVX2 runs ``ngram``. With the scalar kernel or the kernels
-    off, ``autoregressive``. With dequantized weights (each forward reads 3-6x the bytes, so
-    several nodes cost little more than one)
-    ``serial`` on all cores beats ``async`` (runs 6/7), since splitting the bus slows the target
-    more than overlapping saves.
+    Before a profile exists it applies these rules, each the mode measured fastest on that kind of
+    machine (the current tables and their commands in bench/RESULTS.md, the measurements behind
+    each rule in bench/LOG.md):
+
+    * Several NUMA nodes: ``async``, each group with a memory bus of its own.
+    * Every core on one bus, the target on its GGUF blocks (``target_native``) with the AVX2
+      quantized kernel (:data:`NGRAM_QUANT_KERNELS`; no VNNI): ``ngram``. Side by side on the same
+      prompts it decoded faster than the shallow ``serial`` tree, which gained little over the
+      target alone there: each of its steps adds a draft forward (about a third of a target step)
+      and each request a draft prefill, while prompt-lookup proposals cost nothing.
+    * The same with an AVX-512 VNNI kernel (:data:`SIMD_QUANT_KERNELS`): ``serial`` with a two-node
+      subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion). A two-node verification costs about as
+      much as a one-row step there, so one draft expansion per verification pays; a verification
+      of n nodes grows with n, so deeper trees were slower or within the margin ``swiftspec
+      profile`` asks of a change (``ngram`` has not been measured against it on these CPUs).
+    * The scalar kernel or the kernels off: ``autoregressive`` (a verification batch costs more
+      than the tokens it saves).
+    * Dequantized weights (each forward reads several times the bytes, so several nodes cost little
+      more than one): ``serial`` on all cores, which beat ``async`` since splitting the bus slows the
+      target more than the overlap saves.
 
     On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) a stored profile decides as on the
     CPU (its machine id names the GPU, so a CPU profile never applies there; ``swiftspec profile``
@@ -316,8 +321,9 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 SHALLOW_TREE = {"bs": 2, "d": 1}
 # the quantized-GEMM kernels (ops.cpu_dispatch()["quant_gemm"]) with which that mode measured fastest
 SIMD_QUANT_KERNELS = ("avx512_vnni_512", "avx512_vnni", "avx2")
-# ... and those with which the ngram mode measured faster still (AVX2 without VNNI, AMD Zen 3, run 38:
-# 1.16x autoregressive on the 30 prompts, serial bs 2 with the payback gate 1.03x in the same run)
+# ... and those with which the ngram mode measured faster still (AVX2 without VNNI, an AMD Zen 3: ngram
+# ahead of both autoregressive and serial bs 2 with the payback gate on the 30 prompts, side by side;
+# bench/RESULTS.md)
 NGRAM_QUANT_KERNELS = ("avx2",)
 _TREE_FIELDS = ("bs", "w", "topk", "d")
 

@@ -422,7 +422,7 @@ def fused_swiglu_wins(M: int, weight_bytes: int, dtype: torch.dtype) -> bool:
     """Whether the fused kernel beats cuBLAS (``x @ W^T`` then SiLU * up) for ``M`` input rows
     against ``weight_bytes`` bytes of gate + up weights.
 
-    Measured on an H100 (bench/RESULTS.md, "CUDA kernels on an H100", M = 1, 2, 4, 8, 16 over
+    Measured on an H100 (bench/LOG.md, "CUDA kernels on an H100", M = 1, 2, 4, 8, 16 over
     the Llama-3 / Qwen shapes): the kernel is a GEMV with fp32 FMAs, so it wins while streaming
     the weights is the whole cost and loses once cuBLAS's tensor cores pay off: at M = 9-16
     beyond ~32 MB of weights (0.26-0.96x at 50 MB and more), and in bf16 / fp16 at M = 4-8

@@ -3,9 +3,10 @@
 Speculation saves time per token, but a draft model must first run the whole prompt (its
 prefill), which grows with the prompt like the target's own prefill. A long prompt with a small
 ``max_tokens`` can spend more on that than speculation can save in the tokens left, and then the
-target alone finishes the request sooner (bench/RESULTS.md run 31: the summarization prompts, 128
-tokens). vLLM makes the same call with a fixed length (``speculative_max_model_len``:
-longer sequences skip speculation); here it comes from what this engine measures:
+target alone finishes the request sooner (the summarization prompts at 128 tokens; bench/LOG.md,
+"The draft prefills only where that pays back"). vLLM makes the same call with a fixed length
+(``speculative_max_model_len``: longer sequences skip speculation); here it comes from what this
+engine measures:
 
 - ``rho``: the draft's prefill time over the target's on the same prompt (from the requests that
   prefilled both, except a worker's first: its target prefill also pays one-time costs, the
@@ -20,11 +21,12 @@ sigma)`` (``T_prefill``: this prompt's target prefill, ``t_step``: its target-al
 just measured; ``budget``: the tokens it may still generate).
 
 Why a floor on ``sigma``: the mode that runs here was chosen because it measured faster than the
-target alone (:func:`swiftspec.engine.config.choose_mode`: 1.14-1.32x in runs 26-30), while a single
-request's measurement swings with the machine's memory state: in run 31 (the AVX2 code on the
-2-core Zen 5) speculation ran 0.95x the target alone while memory was fast and 1.23-1.31x while it
-was slow, within minutes. With the measurement alone, a few fast-state requests made later
-code prompts (0.6-1.1 s prefills, where speculation then gained 27 %) run without the draft.
+target alone over many requests (:func:`swiftspec.engine.config.choose_mode`), while a single request's
+measurement swings with the machine's memory state: on a 2-core Zen 5 running the AVX2 code,
+speculation ran slower than the target alone while memory was fast and well ahead of it while it
+was slow, within minutes. With the measurement alone, a few fast-state requests made later code
+prompts, where speculation then gained, run without the draft (bench/LOG.md, "The draft prefills
+only where that pays back": a first version with a lower floor).
 Below the floor the estimate is noise, not a reason to give speculation up; above it (a better
 draft) more prompts speculate. Lossless either way: every token is the target's own.
 """

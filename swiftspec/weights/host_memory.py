@@ -7,8 +7,9 @@ over. :func:`empty` gives a tensor whose pages Linux may back with 2 MiB pages i
 (``madvise(MADV_HUGEPAGE)``, honoured where ``/sys/kernel/mm/transparent_hugepage/enabled``
 says ``always`` or ``madvise``). The block-format weights
 (:class:`swiftspec.model_executor.layers.gguf.GGUFWeight`) are made by it when their layer is built, so the
-loader copies the file's blocks straight into them. Measured against 4 KiB pages by
-bench/huge_pages.py (bench/RESULTS.md, run 34).
+loader copies the file's blocks straight into them. bench/huge_pages.py measures a forward on them
+against the same weights on 4 KiB pages, call by call (a small gain on an AMD Zen 3; bench/LOG.md,
+"Block weights on 2 MiB huge pages").
 
 The memory is an anonymous private mapping owned by the tensor's storage (``torch.frombuffer``
 keeps the mapping alive; it is unmapped with the last tensor that views it); a fork's child gets
