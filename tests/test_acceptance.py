@@ -154,17 +154,6 @@ def test_shipped_trace_is_the_default_pairs():
     assert s["positions"] > 1000 and 0.3 < s["top1"] < 1.0
 
 
-def _tiny_config(tmp_path, **kw):
-    from swiftspec.weights.random_weights import DEFAULT_CONFIGS
-
-    cfg = dict(json.loads(DEFAULT_CONFIGS[1].read_text()), hidden_size=64, intermediate_size=128,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-               eos_token_id=299, bos_token_id=298, **kw)
-    path = tmp_path / f"tiny{len(kw)}.json"
-    path.write_text(json.dumps(cfg))
-    return path
-
-
 def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_draft_dir, tmp_path, monkeypatch):
     """`swiftspec bench --record-trace` on a pair, then `--random-weights --acceptance` on models of
     other shapes: every system generates the trace's token count, equality is "n/a" (the tokens
@@ -182,7 +171,9 @@ def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_d
     doc = acceptance.load(trace)
     assert [p["dataset"] for p in doc["prompts"]] == ["qa", "humaneval"] and doc["draft_vocab"] > 0
     assert all(len(p["tokens"]) == len(p["ranks"]) for p in doc["prompts"])
-    cfg = _tiny_config(tmp_path)
+    from test_random_weights import tiny_config
+
+    cfg = tiny_config(tmp_path)
     out = tmp_path / "out"
     assert main(["--random-weights", "--acceptance", str(trace), "--target-config", str(cfg), "--draft-config",
                  str(cfg), "--systems", "autoregressive", "swiftspec-serial", "hf", "--degrade", "0", "1",

@@ -110,7 +110,7 @@ def test_engine_on_one_gpu(tiny_dir, cuda_reference, mode, draft_sms):
     its green-context stream)."""
     with Engine(tiny_dir, tiny_dir, mode=mode, dtype="float32", device="cuda", target_devices=[0],
                 draft_sms=draft_sms) as eng:
-        # auto on one GPU: autoregressive, measured fastest there (bench/RESULTS.md run 27)
+        # auto on one GPU without a profile of it: autoregressive (docs/gpu.md)
         assert eng.config.mode == ("autoregressive" if mode == "auto" else mode)
         out = eng.generate("hello world, this is a test", GREEDY)
     assert out.token_ids == cuda_reference.token_ids

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
-def _tiny_config(tmp_path, **kw):
+def tiny_config(tmp_path, **kw):
+    """A config.json of the draft's family shrunk to a few KiB of weights (vocabulary 300)."""
     cfg = dict(json.loads(DEFAULT_CONFIGS[1].read_text()), hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
                eos_token_id=299, bos_token_id=298, **kw)
@@ -35,7 +36,7 @@ def test_recipe_directory_holds_no_weights_and_is_cached(tmp_path):
 
     from swiftspec.weights.loader import resolve_model
 
-    cfg = _tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path)
     a = materialize(cfg, "float32", cache_dir=tmp_path / "c1")
     b = materialize(cfg, "float32", cache_dir=tmp_path / "c2")
     assert not list(a.glob("*.safetensors")) and (a / random_weights.RECIPE_FILE).is_file()
@@ -67,7 +68,7 @@ def test_ours_and_transformers_make_the_same_weights_on_the_device(tmp_path, dev
     from swiftspec.benchmark.peers import hf_model
     from swiftspec.model_executor.models.llama import load_model
 
-    d = materialize(_tiny_config(tmp_path), "float32", cache_dir=tmp_path / "c")
+    d = materialize(tiny_config(tmp_path), "float32", cache_dir=tmp_path / "c")
     ours = load_model(d, dtype=torch.float32, max_positions=64, device=device)
     again = load_model(d, dtype=torch.float32, max_positions=64, device=device)
     assert all(p.device.type == device for p in ours.parameters())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# the default pair's trace, recorded with `swiftspec bench --record-trace` (bench/RESULTS.md)
+# the default pair's trace, recorded with `swiftspec bench --record-trace` (bench/LOG.md: "Replaying the default pair's acceptance")
 PACKAGED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "default-pair.json"
 # systems that cannot run on random weights with a replayed trace
 NOT_REPLAYABLE = ("hf-assisted", "llama-cpp", "llama-cpp-spec", "pipeline-autoregressive", "pipedec", "pipeinfer")

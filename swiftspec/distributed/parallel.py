@@ -16,7 +16,9 @@ TP > 1 decode step on them can be captured in a CUDA graph (:func:`graph_ban`).
 """
 from __future__ import annotations
 
+import contextlib
 import socket
+import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -185,6 +187,32 @@ def take_shard(src: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor
     if keep.numel():
         out.index_copy_(dim, keep.to(src.device), src.index_select(dim, index[keep].to(src.device)))
     return out
+
+
+def leave_world() -> None:
+    """Leave the torch.distributed world cleanly, if this process joined one (gloo's threads
+    otherwise abort at exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def worker_process(engine, label: str):
+    """The body of a worker process the engine started: leaves the world when the body returns; a
+    peer gone or an interrupt ends the process quietly; any other failure is sent to the engine as
+    ``("error", "<label>: <traceback>")`` (``engine``: the process's connection) and the process
+    exits with status 1, so the engine raises it instead of waiting."""
+    try:
+        yield
+        leave_world()
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+    except BaseException:
+        try:
+            engine.send(("error", f"{label}: {traceback.format_exc()}"))
+        except Exception:
+            pass
+        raise SystemExit(1)
 
 
 def free_tcp_port() -> int:

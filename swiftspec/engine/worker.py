@@ -10,7 +10,6 @@ the process exits, so the engine can raise it instead of hanging.
 from __future__ import annotations
 
 import os
-import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -199,7 +198,9 @@ def pin(spec: WorkerSpec) -> None:
 def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
                 leader: Connection | None, peer: Connection | None) -> None:
     """Process entry point (see the module docstring)."""
-    try:
+    from swiftspec.distributed.parallel import worker_process
+
+    with worker_process(engine, f"{spec.kind} worker rank {spec.rank}"):
         runners, tp = _setup(spec)
         engine.send(("ready", os.getpid(), ready_info(spec, tp, runners)))
         if spec.is_leader:
@@ -207,15 +208,6 @@ def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection
         else:
             from swiftspec.model_executor.runner import serve_follower
             serve_follower(runners, leader)
-        leave_world()
-    except (KeyboardInterrupt, EOFError, BrokenPipeError):
-        pass
-    except BaseException:
-        try:
-            engine.send(("error", f"{spec.kind} worker rank {spec.rank}: {traceback.format_exc()}"))
-        except Exception:
-            pass
-        raise SystemExit(1)
 
 
 def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connection],
@@ -258,13 +250,3 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 c.send(None)
             except (BrokenPipeError, OSError):
                 pass
-
-
-def leave_world() -> None:
-    """Leave the torch.distributed world cleanly (gloo's threads otherwise abort at exit)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-

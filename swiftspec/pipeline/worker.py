@@ -187,11 +187,9 @@ def stage_main(spec, engine: Connection, followers: list, leader, peer) -> None:
     as :func:`swiftspec.engine.worker.worker_main` takes them, unused here: stages talk over the
     rendezvous store). Stage 0 leads (:func:`lead`); the later stages follow it (:func:`follow`).
     A failure is reported to the engine as ``("error", traceback)`` before the process exits."""
-    import traceback
+    from swiftspec.distributed.parallel import worker_process
 
-    import torch.distributed as dist
-
-    try:
+    with worker_process(engine, f"{spec.kind} stage {spec.rank}"):
         if spec.cores is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.threads)
@@ -201,13 +199,3 @@ def stage_main(spec, engine: Connection, followers: list, leader, peer) -> None:
             conn = LockedConn(engine)
             follow(spec.rank, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET], spec.start_timeout_s,
                    lambda msg: _die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except (KeyboardInterrupt, EOFError, BrokenPipeError):
-        pass
-    except BaseException:
-        try:
-            engine.send(("error", f"{spec.kind} stage {spec.rank}: {traceback.format_exc()}"))
-        except Exception:
-            pass
-        raise SystemExit(1)
