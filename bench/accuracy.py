@@ -54,8 +54,8 @@ def main() -> None:
 
     from swiftspec import ops
     from swiftspec.benchmark.e2e import DATASETS, load_prompts
-    from swiftspec.weights.loader import default_gguf_paths, fetch_default_pair
     from swiftspec.model_executor.models.llama import load_model
+    from swiftspec.weights.loader import default_gguf_paths, fetch_default_pair
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=4)

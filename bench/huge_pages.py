@@ -24,11 +24,11 @@ from native_forward import step_fn  # the forward native_forward.py times (bench
 
 def main() -> None:
     from swiftspec import ops
-    from swiftspec.weights import host_memory
     from swiftspec.benchmark.e2e import machine_record
     from swiftspec.model_executor.layers.gguf import GGUFWeight
-    from swiftspec.weights.loader import fetch_default_pair
     from swiftspec.model_executor.models.llama import load_model
+    from swiftspec.weights import host_memory
+    from swiftspec.weights.loader import fetch_default_pair
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["target", "draft"], default="target")

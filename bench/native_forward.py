@@ -70,10 +70,10 @@ def time_prefill(model, n: int, rounds: int) -> float:
 
 def main() -> None:
     from swiftspec import ops
-    from swiftspec.weights import host_memory
     from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
-    from swiftspec.weights.loader import fetch_default_pair
     from swiftspec.model_executor.models.llama import load_model
+    from swiftspec.weights import host_memory
+    from swiftspec.weights.loader import fetch_default_pair
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["target", "draft"], default="target")

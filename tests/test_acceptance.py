@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from swiftspec.spec_decode import acceptance
 from swiftspec.model_executor.sampling import Sampler, SamplingParams
+from swiftspec.spec_decode import acceptance
 from swiftspec.spec_decode.verify import replayed_token, walk
 
 GREEDY = Sampler(SamplingParams(temperature=0.0))
@@ -159,7 +159,6 @@ def test_bench_records_a_trace_and_replays_it_on_random_weights(tiny_dir, tiny_d
     other shapes: every system generates the trace's token count, equality is "n/a" (the tokens
     are not a target's), SwiftSpec's compression follows the trace, the table says so."""
     from swiftspec.benchmark.e2e import main
-
     from swiftspec.weights import random_weights  # the random checkpoints go to this test's directory
 
     monkeypatch.setattr(random_weights, "cache_root", lambda cache_dir=None: tmp_path / "cache")

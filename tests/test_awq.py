@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swiftspec import ops
-
+from swiftspec.model_executor.models.llama import load_model, native_types
+from swiftspec.ops import quant
 from swiftspec.weights import awq
 from swiftspec.weights.loader import ModelLoadError, resolve_model
 from swiftspec.weights.model_cache import is_complete
-from swiftspec.model_executor.models.llama import load_model, native_types
-from swiftspec.ops import quant
 from tests.conftest import build_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"

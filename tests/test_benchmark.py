@@ -3,8 +3,16 @@ import json
 
 import pytest
 
-from swiftspec.benchmark.e2e import (InsufficientMemoryError, bar_chart, check_memory, load_prompts, markdown,
-                                     overall, summarize, weight_bytes)
+from swiftspec.benchmark.e2e import (
+    InsufficientMemoryError,
+    bar_chart,
+    check_memory,
+    load_prompts,
+    markdown,
+    overall,
+    summarize,
+    weight_bytes,
+)
 
 
 def _rec(system, ds, tps, cr=1.0, match=True):

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from swiftspec import Engine, SamplingParams
-
+from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
 from swiftspec.spec_decode import scheduler
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
-from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState
 

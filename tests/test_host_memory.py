@@ -6,9 +6,9 @@ import gc
 import pytest
 import torch
 
-from swiftspec.weights import host_memory
 from swiftspec.model_executor.layers.gguf import GGUFWeight
 from swiftspec.ops import quant
+from swiftspec.weights import host_memory
 
 HUGE = host_memory.HUGE_PAGE
 

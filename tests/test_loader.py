@@ -19,13 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
-from swiftspec.weights import default_pair
-
-from swiftspec.weights import gguf_convert
-
-from swiftspec.weights import loader
-
-from swiftspec.weights import model_cache
+from swiftspec.weights import default_pair, gguf_convert, loader, model_cache
 from swiftspec.weights.loader import ModelLoadError, convert_gguf, resolve_model
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 256  # FFN 256: one Q4_K block per down_proj row

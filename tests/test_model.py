@@ -125,9 +125,9 @@ def test_int8_layers_hold_the_whole_rows_quantization(tiny_dir, tp_size):
     """int8 is a format chosen when the model is built: every linear layer and the (tied) LM head
     hold an Int8Weight and no float weight; each rank's values and scales are the TP = 1 layer's
     slices of the whole rows' quantization (rank's shard of columns, scales of whole rows)."""
+    from swiftspec.distributed.parallel import TPContext
     from swiftspec.model_executor.layers.linear import LinearBase, RowParallelLinear
     from swiftspec.model_executor.layers.quant import quantize_int8
-    from swiftspec.distributed.parallel import TPContext
 
     for rank in range(tp_size):
         tp = TPContext(rank=rank, size=tp_size)  # loading a rank needs no collective

@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from swiftspec import ops
+from swiftspec.model_executor.models.llama import load_model
 from swiftspec.ops import quant
 from swiftspec.weights.loader import convert_gguf
-from swiftspec.model_executor.models.llama import load_model
 from tests.test_loader import make_gguf
 from tests.trees import assert_tree_equals_path
 

@@ -10,14 +10,14 @@ import traceback
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from ranks import report, spawn_ranks
+
+from swiftspec.distributed.parallel import TPContext
 from swiftspec.model_executor.layers.gguf import GGUFWeight, block_index
 from swiftspec.model_executor.layers.linear import PAD, block_split
-from swiftspec.weights.loader import convert_gguf
 from swiftspec.model_executor.models.llama import load_model
 from swiftspec.ops import quant
-from swiftspec.distributed.parallel import TPContext
+from swiftspec.weights.loader import convert_gguf
 from tests.test_loader import make_gguf
 from tests.trees import assert_tree_equals_path
 

@@ -3,11 +3,11 @@ from collections import Counter
 
 import pytest
 
-from swiftspec.spec_decode import scheduler
 from swiftspec.engine.config import EngineConfig
-from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
 from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
 from swiftspec.model_executor.sampling import SamplingParams
+from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState
 

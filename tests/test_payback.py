@@ -2,10 +2,10 @@
 (lossless both ways; the draft prefilled up to the root when it speculates)."""
 import pytest
 
+from swiftspec.model_executor.sampling import SamplingParams
 from swiftspec.spec_decode import scheduler
 from swiftspec.spec_decode.acceptance import Replay
 from swiftspec.spec_decode.payback import MIN_SIGMA, MIN_TOKENS, PaybackGate
-from swiftspec.model_executor.sampling import SamplingParams
 from tests.test_scheduler import PROMPT, _collect, _draft, _req, _target, greedy_reference  # noqa: F401 (fixture)
 
 

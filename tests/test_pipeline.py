@@ -11,11 +11,10 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import pid_alive
 import torch
+from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, WorkerError
-
 from swiftspec.engine import llm_engine as engine
 from swiftspec.model_executor.models.llama import load_model
 from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers

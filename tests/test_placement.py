@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 from swiftspec import Engine
-
-from swiftspec.engine import llm_engine as engine
 from swiftspec.distributed.parallel import backend_for, control_backend, shares_gpu
+from swiftspec.engine import llm_engine as engine
 from swiftspec.engine.placement import PlacementError, plan_groups, resolve_device, split_cores, split_gpus
 
 
@@ -218,8 +217,8 @@ def test_draft_sms_needs_colocated_on_cuda(tiny_dir, monkeypatch):
 
 
 def test_draft_sms_from_the_command_line_and_bench_config(tiny_dir, capsys):
-    from swiftspec.entrypoints import cli
     from swiftspec.benchmark.e2e import expand_systems
+    from swiftspec.entrypoints import cli
 
     for cmd in ("generate", "serve"):
         args = cli.build_parser().parse_args([cmd, "--mode", "colocated", "--draft-sms", "32", "--device", "cuda"])

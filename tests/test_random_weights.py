@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from swiftspec.spec_decode import acceptance
-
 from swiftspec.weights import random_weights
 from swiftspec.weights.random_weights import DEFAULT_CONFIGS, materialize, packaged_config
 

@@ -7,10 +7,10 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
-from swiftspec.spec_decode import scheduler
-from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
 from swiftspec.model_executor.sampling import Sampler, SamplingParams
+from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState
 from swiftspec.spec_decode.tree import DraftTree
@@ -343,8 +343,8 @@ def test_decode_steps_padded_to_graph_buckets_stay_lossless(tiny_dir, tiny_draft
     """Decode steps padded to CUDA-graph buckets (the CUDA runner replays them from graphs; on
     CPU the same padded step runs eagerly): the padding rows and mask columns change nothing,
     the prefill (bigger than every bucket) runs as it is."""
-    from swiftspec.model_executor.graphs import PaddedStep
     from swiftspec.engine.worker import graph_buckets
+    from swiftspec.model_executor.graphs import PaddedStep
 
     padded = Counter()
     fill = PaddedStep._fill

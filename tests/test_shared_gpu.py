@@ -17,6 +17,7 @@ from ranks import report, spawn_ranks
 from swiftspec.distributed.parallel import PROBE, TPContext, graph_ban
 from swiftspec.engine.worker import WorkerSpec, decode_graph_sizes, graph_buckets, ready_info
 
+
 class FakeComm:
     """Stands for a communicator: only its ``backend`` name and epoch matter here."""
 
@@ -117,8 +118,8 @@ def _rank_world(rank, world, port, mode, q):
     try:
         import torch.distributed as dist
 
-        from swiftspec.ops import cuda
         from swiftspec.distributed.parallel import init_world
+        from swiftspec.ops import cuda
 
         torch.set_num_threads(1)
         if mode == "fails":

@@ -9,9 +9,9 @@ import traceback
 
 import pytest
 import torch
-
 from conftest import build_tiny_model
 from ranks import report, spawn_ranks
+
 from swiftspec.model_executor.layers.linear import PAD, gqa_head_layout
 from swiftspec.model_executor.models import load_model
 

@@ -3,10 +3,10 @@ bench/device_forward.py, bench/gpu_steps.py): the weight bytes one forward reads
 device reads (a read-only reduction, measured in the same run; the spec sheet quoted beside it)."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
-
 
 # Spec-sheet memory bandwidth (bytes/s) by GPU name, to quote beside the measured read bandwidth;
 # the fraction of a limit is always taken against the measurement (read_bandwidth), never these.
@@ -50,11 +50,10 @@ def read_bandwidth(device: torch.device, threads: int, gib: float = 4.0, passes:
     if device.type == "cuda":
         n = int(gib * 2 ** 30) // 2
         big = torch.ones(n, dtype=torch.bfloat16, device=device)
-        try:
-            return n * 2 / _best_cuda_seconds(lambda: big.sum(dtype=torch.float32), device, passes)
-        finally:
-            del big
-            torch.cuda.empty_cache()
+        seconds = _best_cuda_seconds(functools.partial(big.sum, dtype=torch.float32), device, passes)
+        del big
+        torch.cuda.empty_cache()
+        return n * 2 / seconds
     torch.set_num_threads(threads)
     big = torch.ones(2 ** 28)
     best = float("inf")
@@ -71,11 +70,11 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0, passes: int = 5) -> f
     read bandwidth on HBM; kept beside it so old and new records compare."""
     src = torch.empty(int(gib * 2 ** 30), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    try:
-        return src.numel() / _best_cuda_seconds(lambda: dst.copy_(src), device, passes)
-    finally:
-        del src, dst
-        torch.cuda.empty_cache()
+    seconds = _best_cuda_seconds(functools.partial(dst.copy_, src), device, passes)
+    n = src.numel()
+    del src, dst
+    torch.cuda.empty_cache()
+    return n / seconds
 
 
 def weight_read_bytes(model, vocab: int | None) -> int:

@@ -138,8 +138,8 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
 
     from swiftspec.benchmark.e2e import load_prompts
     from swiftspec.engine.llm_engine import SHALLOW_TREE, Engine, EngineConfig
-    from swiftspec.weights.loader import resolve_model
     from swiftspec.model_executor.sampling import SamplingParams
+    from swiftspec.weights.loader import resolve_model
 
     target_dir, draft_dir = resolve_model(target, "target"), resolve_model(draft, "draft")
     tok = AutoTokenizer.from_pretrained(str(target_dir))

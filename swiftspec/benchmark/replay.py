@@ -97,9 +97,9 @@ def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], l
                  draft_dir: Path, dtype: str, machine: dict) -> None:
     """Rank the target's tokens among the draft's candidates (the draft built as the engine
     builds it: the first ``--config``'s or the default ``draft_quant`` and ``draft_vocab``) and write the trace."""
-    from swiftspec.spec_decode import acceptance
     from swiftspec.engine.llm_engine import EngineConfig
     from swiftspec.model_executor.models.config import ModelConfig
+    from swiftspec.spec_decode import acceptance
 
     cfg = EngineConfig.from_json(args.config[0]) if args.config else EngineConfig()
     vocab = min(ModelConfig.from_dir(target_dir).vocab_size, ModelConfig.from_dir(draft_dir).vocab_size)

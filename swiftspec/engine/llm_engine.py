@@ -21,17 +21,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 # the configuration lives in swiftspec.engine.config; its names stay importable from here
-from swiftspec.engine.config import (MODES, PIPELINE_MODES, SHALLOW_TREE, TARGET_ONLY_MODES, WEIGHT_FORMATS,  # noqa: F401
-                              EngineConfig, _available_cores, choose_mode, cpu_has_bf16)
+from swiftspec.engine.config import (  # noqa: F401
+    MODES,
+    PIPELINE_MODES,
+    SHALLOW_TREE,
+    TARGET_ONLY_MODES,
+    WEIGHT_FORMATS,
+    EngineConfig,
+    _available_cores,
+    choose_mode,
+    cpu_has_bf16,
+)
 from swiftspec.engine.detokenize import IncrementalText
 from swiftspec.engine.metrics import RequestMetrics
 from swiftspec.engine.placement import Group, PlacementError, plan_groups, uses_draft
-from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
-from swiftspec.spec_decode.scheduler import Request
 from swiftspec.engine.worker import WorkerSpec, worker_main
-from swiftspec.spec_decode.modes import mode_for
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
+from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
 from swiftspec.pipeline.worker import stage_main
+from swiftspec.spec_decode.modes import mode_for
+from swiftspec.spec_decode.scheduler import Request
 
 if TYPE_CHECKING:
     from swiftspec.spec_decode.acceptance import Replay
@@ -154,9 +163,9 @@ class Engine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = EngineConfig(**{**config.__dict__, **overrides})
-        from swiftspec.weights.loader import resolve_model
-        from swiftspec.model_executor.models.llama import native_types
         from swiftspec.engine.placement import resolve_device, split_gpus
+        from swiftspec.model_executor.models.llama import native_types
+        from swiftspec.weights.loader import resolve_model
 
         self.device = resolve_device(config.device)
         if self.device == "cpu" and (config.target_devices is not None or config.draft_devices is not None):
@@ -174,8 +183,8 @@ class Engine:
         self.target_path = resolve_model(target, "target", cache_dir)
         profiled = draft_path = None
         if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
-            from swiftspec.weights.default_pair import default_model_dir
             from swiftspec.engine.machine_profile import cached_profile
+            from swiftspec.weights.default_pair import default_model_dir
 
             draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
             profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)

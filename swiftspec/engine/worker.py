@@ -15,11 +15,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from swiftspec.spec_decode.draft_state import DraftState, TreeParams
-from swiftspec.spec_decode.ngram import NgramParams
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
+from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.modes import mode_for
-
+from swiftspec.spec_decode.ngram import NgramParams
 
 
 @dataclass
@@ -212,8 +211,8 @@ def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection
 
 def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connection],
           peer: Connection | None) -> None:
-    from swiftspec.spec_decode import scheduler
     from swiftspec.model_executor.runner import RunnerHandle
+    from swiftspec.spec_decode import scheduler
     from swiftspec.spec_decode.target_state import TargetState
 
     handles = {role: RunnerHandle(role, r, followers) for role, r in runners.items()}

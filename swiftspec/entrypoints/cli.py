@@ -129,8 +129,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from swiftspec.weights.loader import resolve_model
     from swiftspec.entrypoints.server import serve
+    from swiftspec.weights.loader import resolve_model
 
     name = args.served_model_name or resolve_model(args.target, "target", args.cache_dir).name
     serve(lambda: make_engine(args), name, args.host, args.port, args.max_queue, args.api_key)

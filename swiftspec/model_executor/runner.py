@@ -14,11 +14,10 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from swiftspec.model_executor.models.llama import load_model
 from swiftspec.distributed.parallel import LOCAL, TPContext
+from swiftspec.model_executor.models.llama import load_model
 from swiftspec.model_executor.sampling import SampleHead, sample_rows
 from swiftspec.model_executor.sm_partition import green_context_stream
-
 
 # the two models' roles: the keys of a worker's runners and of its stats
 ROLE_TARGET, ROLE_DRAFT = "target", "draft"

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiftspec.pipeline.stages import PipelineLeader, Work
 from swiftspec.model_executor.sampling import Sampler
+from swiftspec.pipeline.stages import PipelineLeader, Work
 from swiftspec.spec_decode.scheduler import Request, StopChecker, TargetStats
 
 PROMPT_ROW = -1  # row id of the prompt's tokens in the prefill micro-batch

@@ -20,8 +20,16 @@ import torch
 
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.pipeline import MODES
-from swiftspec.pipeline.stages import LEADER, Heartbeat, PipelineLeader, Stage, StagePlan, exchange_plan, join, model_digest
-
+from swiftspec.pipeline.stages import (
+    LEADER,
+    Heartbeat,
+    PipelineLeader,
+    Stage,
+    StagePlan,
+    exchange_plan,
+    join,
+    model_digest,
+)
 
 
 def capacity(max_model_len: int, width: int, stages: int) -> int:
@@ -79,8 +87,8 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
 
 def lead(spec, engine: Connection) -> None:
     """Stage 0 (``spec``: a :class:`swiftspec.engine.worker.WorkerSpec`): serve the engine's requests."""
-    from swiftspec.spec_decode import scheduler
     from swiftspec.pipeline.decode import PipelineDecoder
+    from swiftspec.spec_decode import scheduler
     from swiftspec.spec_decode.scheduler import text_decoder
 
     plan = StagePlan(spec.stage_layers, spec.dtype, spec.weights, spec.kernels, spec.max_model_len, spec.tree.w, "")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swiftspec.spec_decode.acceptance import Replay
 from swiftspec.model_executor.runner import RunnerHandle
+from swiftspec.spec_decode.acceptance import Replay
 from swiftspec.spec_decode.tree import DraftTree, Reroot, Subgraph
 
 

@@ -26,12 +26,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from swiftspec.model_executor.runner import Launched
+from swiftspec.model_executor.sampling import Sampler, SamplingParams
 from swiftspec.spec_decode.acceptance import Replay
 from swiftspec.spec_decode.draft_state import DraftState
 from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
 from swiftspec.spec_decode.payback import PaybackGate
-from swiftspec.model_executor.runner import Launched
-from swiftspec.model_executor.sampling import Sampler, SamplingParams
 from swiftspec.spec_decode.target_state import TargetState
 from swiftspec.spec_decode.tree import Subgraph
 from swiftspec.spec_decode.verify import VerifyResult

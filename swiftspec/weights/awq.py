@@ -28,9 +28,16 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.weights.model_cache import (NATIVE_FILE, TORCH_DTYPE_NAME, TORCH_TO_ST_DTYPE, ModelLoadError, TensorPlan,
-                                   build_model_dir, write_float_weights)
 from swiftspec.ops.quant import AWQ4
+from swiftspec.weights.model_cache import (
+    NATIVE_FILE,
+    TORCH_DTYPE_NAME,
+    TORCH_TO_ST_DTYPE,
+    ModelLoadError,
+    TensorPlan,
+    build_model_dir,
+    write_float_weights,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _INVERSE_ORDER = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c of 8 is nibble _INVERSE_ORDER[c]

@@ -21,8 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swiftspec.weights.model_cache import (NATIVE_FILE, TORCH_DTYPE_NAME, TORCH_TO_ST_DTYPE, ModelLoadError, TensorPlan,
-                                   build_model_dir, source_fingerprint, write_float_weights)
+from swiftspec.weights.model_cache import (
+    NATIVE_FILE,
+    TORCH_DTYPE_NAME,
+    TORCH_TO_ST_DTYPE,
+    ModelLoadError,
+    TensorPlan,
+    build_model_dir,
+    source_fingerprint,
+    write_float_weights,
+)
 
 _SUPPORTED_ARCHS = ("llama", "qwen2")
 

@@ -27,7 +27,14 @@ from pathlib import Path
 
 from swiftspec.weights.default_pair import DRAFT_NAME, TARGET_NAME, default_gguf_paths, fetch_default_pair
 from swiftspec.weights.gguf_convert import convert_gguf
-from swiftspec.weights.model_cache import NATIVE_FILE, ModelLoadError, cache_root, default_cache_dir, is_complete, source_fingerprint
+from swiftspec.weights.model_cache import (
+    NATIVE_FILE,
+    ModelLoadError,
+    cache_root,
+    default_cache_dir,
+    is_complete,
+    source_fingerprint,
+)
 from swiftspec.weights.random_weights import RECIPE_FILE
 
 __all__ = [

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftspec import ops
+from swiftspec.distributed.parallel import LOCAL, PAD, TPContext
 from swiftspec.model_executor.layers.gguf import GGUFWeight
 from swiftspec.model_executor.layers.quant import Int8Weight
 from swiftspec.ops import quant
-from swiftspec.distributed.parallel import LOCAL, PAD, TPContext
 
 
 class VocabParallelEmbedding(nn.Module):

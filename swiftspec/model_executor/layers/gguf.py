@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from swiftspec import ops
-
-from swiftspec.weights import host_memory
-from swiftspec.ops import quant
 from swiftspec.distributed.parallel import PAD, take_shard
+from swiftspec.ops import quant
+from swiftspec.weights import host_memory
 
 SHARD_PART = {None: 0, "q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
 

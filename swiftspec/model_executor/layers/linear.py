@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from swiftspec import ops
+from swiftspec.distributed.parallel import LOCAL, PAD, TPContext, take_shard
 from swiftspec.model_executor.layers.gguf import GGUFWeight
 from swiftspec.model_executor.layers.quant import Int8Weight
-from swiftspec.distributed.parallel import LOCAL, PAD, TPContext, take_shard
 
 
 def _even_index(n: int, tp: TPContext) -> torch.Tensor:

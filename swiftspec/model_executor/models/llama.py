@@ -19,18 +19,22 @@ from safetensors import safe_open
 from torch import nn
 
 from swiftspec import ops
-
-from swiftspec.weights import random_weights
-from swiftspec.ops import quant
+from swiftspec.distributed.parallel import LOCAL, TPContext
 from swiftspec.model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from swiftspec.model_executor.layers.gguf import SHARD_PART, GGUFWeight, block_index
-from swiftspec.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, block_split
+from swiftspec.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    block_split,
+)
 from swiftspec.model_executor.layers.norm import RMSNorm
 from swiftspec.model_executor.layers.rotary import RotaryEmbedding
-from swiftspec.weights.loader import NATIVE_FILE
 from swiftspec.model_executor.models.config import ModelConfig
 from swiftspec.model_executor.models.kv_cache import KVCache
-from swiftspec.distributed.parallel import LOCAL, TPContext
+from swiftspec.ops import quant
+from swiftspec.weights import random_weights
+from swiftspec.weights.loader import NATIVE_FILE
 
 
 def _gguf_types(native: dict[str, int] | None, names: list[str]) -> list[int] | None:
