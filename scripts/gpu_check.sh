@@ -4,7 +4,7 @@
 # an H100), results under $OUT (default ./gpu-out).
 #
 #   bash scripts/gpu_check.sh tests     # build the CUDA kernels, run every CUDA test (junit XML + log)
-#   bash scripts/gpu_check.sh forward   # bench/device_forward.py: forward time vs the HBM limit
+#   bash scripts/gpu_check.sh forward   # bench/device_forward.py: forward time vs the read bandwidth
 #   bash scripts/gpu_check.sh e2e       # swiftspec bench on random weights, the shipped acceptance trace
 #   bash scripts/gpu_check.sh all       # every stage in one call: scripts/gpu_check.py (tests, step
 #                                       # breakdown of the big shapes, e2e with the p sweep, the
