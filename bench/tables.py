@@ -73,7 +73,9 @@ def render(record) -> str:
         capacity = {r["capacity"] for r in record["rows"] if "capacity" in r}
         # on CUDA the limit came from a device-to-device copy: its bytes (read + write) halved, about half
         # of what the HBM can read, so "of limit" there is no fraction of the read bandwidth
-        d2d = record["device"] == "cuda"
+        d2d = record["device"] == "cuda" and "bandwidth_method" not in record
+        if "bandwidth_method" in record:  # the read-only limit, the spec sheet and r beside it
+            return _device_forward(record, capacity)
         limit = (f", limit: weight bytes over {record['bandwidth_gb_s']:.1f} GB/s, a device-to-device copy's bytes "
                  f"(read + write) halved, about half the HBM's read bandwidth (to be re-measured with a read-only "
                  f"pass)" if d2d else f", read bandwidth {record['bandwidth_gb_s']:.1f} GB/s")
@@ -132,6 +134,26 @@ def render(record) -> str:
         return "\n".join(lines)
     raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
                      "bench/accuracy.py, bench/huge_pages.py, swiftspec generate --json or bench/server_load.py")
+
+
+def _device_forward(record: dict, capacity: set) -> str:
+    """A bench/device_forward.py record that measured the read bandwidth with a read-only pass: per
+    model and row count the best time's r (over one row), and its share of the read-bandwidth and
+    spec-sheet limits."""
+    spec = record.get("spec_sheet_gb_s")
+    head = (f"{record.get('device_name') or record['device']}, {record['dtype']}, {record['context']} tokens in the KV "
+            f"cache" + (f" of {', '.join(map(str, sorted(capacity)))} slots" if capacity else "")
+            + f"; read bandwidth {record['bandwidth_gb_s']:.0f} GB/s ({record['bandwidth_method']})"
+            + (f", spec sheet {spec:.0f} GB/s" if spec else "")
+            + (f", a d2d copy {record['copy_gb_s']:.0f} GB/s" if record.get("copy_gb_s") else ""))
+    lines = [head, "", "| model | rows | eager ms | graph ms | r (vs one row) | read limit ms | of read limit | "
+             "of spec sheet |", "|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        graph = f"{1e3 * r['graph_s']:.3f}" if "graph_s" in r else "-"
+        lines.append(f"| {r['model']} | {r['rows']} | {1e3 * r['eager_s']:.3f} | {graph} | "
+                     f"{r.get('vs_one_row', float('nan')):.2f} | {1e3 * r['limit_s']:.3f} | {100 * r['of_limit']:.0f} % | "
+                     + (f"{100 * r['of_spec_sheet']:.0f} % |" if "of_spec_sheet" in r else "- |"))
+    return "\n".join(lines)
 
 
 def _server(record: dict) -> str:

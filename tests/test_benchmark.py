@@ -471,6 +471,11 @@ def test_device_forward_on_cpu_with_random_weights(tmp_path, monkeypatch):
     layer = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # q, o; k, v (2 KV heads x 16); gate, up, down
     biases = 4 * (64 + 32 + 32)  # qwen2's q/k/v biases
     assert rec["rows"][0]["weight_bytes"] == 2 * (layer + biases) + 4 * 128 * 64  # the LM head's first 128 rows
+    # the limit is a read-only pass measured in the run; r is each row count over one row
+    assert rec["bandwidth_method"].startswith("read-only") and rec["rows"][0]["vs_one_row"] == 1.0
+    tables = importlib.util.module_from_spec(importlib.util.spec_from_file_location("tables", bench / "tables.py"))
+    tables.__spec__.loader.exec_module(tables)
+    assert "| r (vs one row) |" in tables.render(rec) and "read bandwidth" in tables.render(rec)
 
 
 def test_hf_compile_peer_is_greedy_equal_and_compiles_once(tiny_dir):
