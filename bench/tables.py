@@ -194,7 +194,8 @@ def _load(name: str, results: Path = RESULTS):
 
 def _command(record: dict) -> str:
     """The record's command as it reproduces it: where its output went left out, its environment set."""
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(record["machine"].get("env", {}).items()) if k != "SWIFTSPEC_CACHE"]
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(record["machine"].get("env", {}).items())
+           if k not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_REAL_MODELS")]  # where models live, which tests run
     return " ".join(env + [re.sub(r" --out \S+", "", record["command"])])
 
 

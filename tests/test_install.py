@@ -19,9 +19,11 @@ def test_non_editable_install_builds_the_cpu_kernels(tmp_path):
     assert (site / "swiftspec" / "_csrc" / "cpu" / "quant_gemm.cpp").is_file()
     prompts = site / "swiftspec" / "data" / "eval_prompts"
     assert len(list(prompts.glob("*.jsonl"))) == 6 and (prompts / "LICENSE.EAGLE").is_file()
-    # what `swiftspec bench --random-weights` needs from the package: the pair's shapes and trace
+    # what `swiftspec bench --random-weights` needs from the package: the shapes (the default pair's
+    # and the big GPU targets') and the pair's trace
     data = site / "swiftspec" / "data"
-    assert len(list((data / "model_configs").glob("*.json"))) == 2
+    shipped = {p.stem for p in (data / "model_configs").glob("*.json")}
+    assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-32b-instruct"} <= shipped
     assert (data / "traces" / "default-pair.json").is_file()
     code = ("import swiftspec.ops.cpu as c, torch\n"
             "assert c.CSRC.parent.name == 'swiftspec' and c.CSRC.name == '_csrc', c.CSRC\n"
