@@ -182,10 +182,9 @@ def _param_count(model_dir, skip: frozenset = frozenset()) -> int:
 
     from swiftspec.weights import random_weights
 
-    if random_weights.recipe(model_dir) is not None:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        return sum(math.prod(shape) for _, name, shape in random_weights.checkpoint_entries(config)
-                   if name not in skip)
+    n = random_weights.param_count(model_dir)  # a random-weights recipe: from its shapes (no blocks to skip)
+    if n is not None:
+        return n
     n = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -521,11 +520,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _uses_draft(sysm) -> bool:
-    """Whether a system's speed depends on the replayed acceptance: an engine whose mode verifies
-    a draft's tree (not the target-only modes, not the peers)."""
-    from swiftspec.engine.config import TARGET_ONLY_MODES
+    """Whether a system's speed depends on the replayed acceptance: an engine whose mode loads a
+    draft (:func:`swiftspec.engine.placement.uses_draft`); never a peer."""
+    from swiftspec.engine.placement import uses_draft
 
-    return isinstance(sysm, EngineSystem) and sysm.shape["mode"] not in TARGET_ONLY_MODES
+    return isinstance(sysm, EngineSystem) and uses_draft(sysm.shape["mode"])
 
 
 def _run_prompts(live: dict, prompts: list[tuple], eos: list[int], degrade: list[float], outs: dict) -> None:

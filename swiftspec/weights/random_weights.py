@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -195,18 +196,16 @@ def materialize(config_path, dtype: str = "bfloat16", seed: int = 0, cache_dir=N
     return build_model_dir(out, source, fill)
 
 
-def weight_bytes(model_dir) -> int | None:
-    """Bytes of a recipe directory's weights in its dtype (from the shapes; nothing is made), or
-    None for a directory of real weights."""
-    rec = recipe(model_dir)
-    if rec is None:
+def param_count(model_dir) -> int | None:
+    """Parameters of a recipe directory's checkpoint (from the shapes; nothing is made), or None
+    for a directory of real weights."""
+    if recipe(model_dir) is None:
         return None
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    size = torch.empty(0, dtype=getattr(torch, rec["dtype"])).element_size()
-    total = 0
-    for _, _, shape in checkpoint_entries(config):
-        n = 1
-        for s in shape:
-            n *= s
-        total += n * size
-    return total
+    return sum(math.prod(shape) for _, _, shape in checkpoint_entries(config))
+
+
+def weight_bytes(model_dir) -> int | None:
+    """Bytes of a recipe directory's weights in its dtype, or None for a directory of real weights."""
+    n = param_count(model_dir)
+    return None if n is None else n * getattr(torch, recipe(model_dir)["dtype"]).itemsize
