@@ -238,14 +238,23 @@ def _ll_rank(rank: int, world: int, port: int, timeout_s: float, q) -> None:
         q.put(json.dumps({"rank": rank, "error": traceback.format_exc()}))
 
 
-def child_ll(timeout_s: float) -> dict:
+def _cuda_ops():
+    """(swiftspec.ops.cuda, None) from this checkout, or (None, the step's "skipped" record) where
+    swiftspec is not importable or there is no nvcc to build the LL kernels."""
     sys.path.insert(0, REPO)
     try:
         from swiftspec.ops import cuda as sc
     except Exception as e:
-        return {"status": "skipped", "reason": f"swiftspec is not importable from {REPO}: {e}"}
+        return None, {"status": "skipped", "reason": f"swiftspec is not importable from {REPO}: {e}"}
     if sc.nvcc_path() is None:
-        return {"status": "skipped", "reason": "no nvcc: the LL kernels cannot be built"}
+        return None, {"status": "skipped", "reason": "no nvcc: the LL kernels cannot be built"}
+    return sc, None
+
+
+def child_ll(timeout_s: float) -> dict:
+    sc, skipped = _cuda_ops()
+    if skipped:
+        return skipped
     sc.load()  # built by the ll_build step before (cached)
     import torch.multiprocessing as tmp
 
@@ -273,13 +282,9 @@ def child_ll(timeout_s: float) -> dict:
 
 
 def child_build() -> dict:
-    sys.path.insert(0, REPO)
-    try:
-        from swiftspec.ops import cuda as sc
-    except Exception as e:
-        return {"status": "skipped", "reason": f"swiftspec is not importable from {REPO}: {e}"}
-    if sc.nvcc_path() is None:
-        return {"status": "skipped", "reason": "no nvcc: the LL kernels cannot be built"}
+    sc, skipped = _cuda_ops()
+    if skipped:
+        return skipped
     res = sc.build(verbose=True)
     return {"status": "ok", "library": str(res.path), "built": bool(res.built)}
 
