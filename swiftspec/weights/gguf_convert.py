@@ -214,7 +214,12 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict, dict, list[_Plan]]:
+def _check_arch(meta: dict) -> str:
+    """The GGUF's ``general.architecture`` (``"llama"`` or ``"qwen2"``).
+
+    Raises:
+        ModelLoadError: another architecture, or a split (multi-file) GGUF.
+    """
     arch = meta.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
         raise ModelLoadError(
@@ -222,29 +227,69 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
         )
     if int(meta.get("split.count", 1) or 1) > 1:
         raise ModelLoadError("split GGUF files are not supported; merge them with llama-gguf-split --merge first")
+    return arch
 
-    def get(key: str, default=None, required: bool = False):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            if required:
-                raise ModelLoadError(f"GGUF metadata lacks {full}")
-            return default
-        return meta[full]
 
-    def single(key: str, value):
-        # Some files store per-layer arrays (e.g. head_count_kv); our models need one value.
-        if isinstance(value, list):
-            if not value or len(set(value)) != 1:
-                raise ModelLoadError(f"GGUF {arch}.{key} varies per layer ({value}); not supported")
-            return value[0]
-        return value
+def _arch_value(meta: dict, arch: str, key: str, default=None, required: bool = False):
+    """``meta["<arch>.<key>"]``, or ``default`` when absent.
 
-    tensors = {t.name: t for t in reader.tensors}
+    Raises:
+        ModelLoadError: the key is absent and ``required``.
+    """
+    full = f"{arch}.{key}"
+    if full not in meta:
+        if required:
+            raise ModelLoadError(f"GGUF metadata lacks {full}")
+        return default
+    return meta[full]
+
+
+def _single(arch: str, key: str, value):
+    """One value from a metadata entry that some files store per layer (e.g. ``head_count_kv``).
+
+    Raises:
+        ModelLoadError: a per-layer list that is empty or whose values differ (our models need one).
+    """
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise ModelLoadError(f"GGUF {arch}.{key} varies per layer ({value}); not supported")
+        return value[0]
+    return value
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The model's sizes read from GGUF metadata: widths in elements, ``eps`` and ``theta`` as in
+    the HF config, ``ctx`` in tokens."""
+
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv: int
+    ffn: int
+    head_dim: int
+    vocab: int
+    eps: float
+    theta: float
+    ctx: int
+
+
+def _read_dims(meta: dict, arch: str, tensors: dict) -> _Dims:
+    """The model's sizes from the ``<arch>.*`` metadata; ``vocab`` = rows of ``token_embd.weight``
+    (``tensors``: GGUF name -> reader tensor).
+
+    Raises:
+        ModelLoadError: a required key is missing, a per-layer value varies, key and value head
+            widths differ, partial RoPE, or no ``token_embd.weight``.
+    """
+    def get(key, default=None, required=False):
+        return _arch_value(meta, arch, key, default, required)
+
     hidden = int(get("embedding_length", required=True))
     n_layers = int(get("block_count", required=True))
-    n_heads = int(single("attention.head_count", get("attention.head_count", required=True)))
-    n_kv = int(single("attention.head_count_kv", get("attention.head_count_kv", n_heads)))
-    ffn = int(single("feed_forward_length", get("feed_forward_length", required=True)))
+    n_heads = int(_single(arch, "attention.head_count", get("attention.head_count", required=True)))
+    n_kv = int(_single(arch, "attention.head_count_kv", get("attention.head_count_kv", n_heads)))
+    ffn = int(_single(arch, "feed_forward_length", get("feed_forward_length", required=True)))
     eps = _f32(get("attention.layer_norm_rms_epsilon", 1e-6))
     theta = _f32(get("rope.freq_base", 10000.0))
     ctx = int(get("context_length", 4096))
@@ -256,10 +301,23 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
         raise ModelLoadError(f"key_length {head_dim} != value_length {val_len}: not supported")
     if rot_dim is not None and int(rot_dim) != head_dim:
         raise ModelLoadError(f"partial RoPE (rope.dimension_count {rot_dim} < head_dim {head_dim}) is not supported")
-
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("GGUF has no token_embd.weight")
     vocab = _hf_shape(tensors["token_embd.weight"])[0]
+    return _Dims(hidden, n_layers, n_heads, n_kv, ffn, head_dim, vocab, eps, theta, ctx)
+
+
+def _rope_scaling(meta: dict, arch: str, tensors: dict, dims: _Dims) -> dict | None:
+    """HF's ``rope_scaling`` from the ``rope.scaling.*`` / ``rope.scale_linear`` metadata (linear,
+    yarn), or recovered from a ``rope_freqs`` tensor (llama3, :func:`_infer_llama3_rope_scaling`);
+    None without scaling.
+
+    Raises:
+        ModelLoadError: an unsupported scaling type, both metadata and a ``rope_freqs`` tensor, or
+            a ``rope_freqs`` tensor that matches no llama3 scaling.
+    """
+    def get(key, default=None):
+        return _arch_value(meta, arch, key, default)
 
     rope_scaling = None
     scaling_type = get("rope.scaling.type")
@@ -276,48 +334,62 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
     if _ROPE_FREQS in tensors:
         if rope_scaling is not None:
             raise ModelLoadError("GGUF has both rope scaling metadata and a rope_freqs tensor")
-        inferred = _infer_llama3_rope_scaling(_dequantize(tensors[_ROPE_FREQS]).numpy(), theta, head_dim)
+        inferred = _infer_llama3_rope_scaling(_dequantize(tensors[_ROPE_FREQS]).numpy(), dims.theta, dims.head_dim)
         rope_scaling = inferred or None
+    return rope_scaling
 
-    tied = "output.weight" not in tensors
-    has_attn_bias = arch == "qwen2" or any(n.endswith("attn_q.bias") for n in tensors)
-    tok_meta = {
+
+def _token_ids(meta: dict) -> dict[str, int]:
+    """The special token ids the GGUF names (``bos_token_id``, ``eos_token_id``,
+    ``padding_token_id``, ``eot_token_id``, ``eom_token_id``), keyed by those names."""
+    return {
         k.rsplit(".", 1)[-1]: int(meta[f"tokenizer.ggml.{k}"])
         for k in ("bos_token_id", "eos_token_id", "padding_token_id", "eot_token_id", "eom_token_id")
         if f"tokenizer.ggml.{k}" in meta
     }
-    dtype_name = TORCH_DTYPE_NAME[dtype]
+
+
+def _hf_config(arch: str, meta: dict, dims: _Dims, rope_scaling: dict | None, tied: bool,
+               has_attn_bias: bool, tok_ids: dict[str, int], dtype: torch.dtype) -> dict:
+    """The ``config.json`` dict transformers' ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` reads,
+    with ``torch_dtype`` the output ``dtype``'s name."""
     config = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": arch,
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.ffn,
+        "num_hidden_layers": dims.n_layers,
+        "num_attention_heads": dims.n_heads,
+        "num_key_value_heads": dims.n_kv,
+        "head_dim": dims.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": eps,
-        "rope_theta": theta,
+        "rms_norm_eps": dims.eps,
+        "rope_theta": dims.theta,
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": ctx,
-        "vocab_size": vocab,
+        "max_position_embeddings": dims.ctx,
+        "vocab_size": dims.vocab,
         "tie_word_embeddings": tied,
-        "bos_token_id": tok_meta.get("bos_token_id"),
-        "eos_token_id": tok_meta.get("eos_token_id"),
-        "torch_dtype": dtype_name,
+        "bos_token_id": tok_ids.get("bos_token_id"),
+        "eos_token_id": tok_ids.get("eos_token_id"),
+        "torch_dtype": TORCH_DTYPE_NAME[dtype],
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "use_cache": True,
     }
     if arch == "qwen2":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=dims.n_layers)
     else:
         config.update(attention_bias=has_attn_bias, mlp_bias=False, pretraining_tp=1)
     if "general.name" in meta:
         config["_name_or_path"] = str(meta["general.name"])
+    return config
 
-    q_out, kv_out = n_heads * head_dim, n_kv * head_dim
+
+def _block_shapes(arch: str, dims: _Dims, has_attn_bias: bool) -> dict[str, tuple[int, ...]]:
+    """Each per-layer GGUF tensor suffix (``attn_q.weight`` ...) -> its HF shape (``[out, in]``
+    for weights, ``[out]`` for norms and biases)."""
+    hidden, ffn = dims.hidden, dims.ffn
+    q_out, kv_out = dims.n_heads * dims.head_dim, dims.n_kv * dims.head_dim
     expected = {
         "attn_norm.weight": (hidden,),
         "ffn_norm.weight": (hidden,),
@@ -333,16 +405,30 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
         expected.update({"attn_q.bias": (q_out,), "attn_k.bias": (kv_out,), "attn_v.bias": (kv_out,)})
         if arch == "llama":  # HF's attention_bias adds o_proj's bias too
             expected["attn_output.bias"] = (hidden,)
+    return expected
 
+
+def _from_gguf(t, n_head: int | None) -> Callable[[], torch.Tensor]:
+    """A loader of GGUF tensor ``t`` as float32 in HF shape, q/k rows un-permuted over ``n_head``
+    heads when given."""
+    if n_head is None:
+        return lambda: _dequantize(t)
+    return lambda: _unpermute_rope(_dequantize(t), n_head)
+
+
+def _tensor_plans(arch: str, tensors: dict, dims: _Dims, expected: dict[str, tuple[int, ...]],
+                  tied: bool) -> list[_Plan]:
+    """One :class:`_Plan` per HF tensor, in HF order (embedding, layers, norm, ``lm_head`` unless
+    ``tied``); a missing bias becomes zeros (same as no bias, keeps the module layout the config
+    promises).  ``rope_freqs`` is consumed into the config, not planned.
+
+    Raises:
+        ModelLoadError: a weight is missing, a tensor's shape differs from the metadata's, or the
+            GGUF has tensors this conversion does not know (refused rather than dropped).
+    """
     unpermute_heads = {}
     if arch == "llama":  # qwen2 is converted without the permutation
-        unpermute_heads = {"attn_q": n_heads, "attn_k": n_kv}
-
-    def from_gguf(t, n_head: int | None) -> Callable[[], torch.Tensor]:
-        if n_head is None:
-            return lambda: _dequantize(t)
-        return lambda: _unpermute_rope(_dequantize(t), n_head)
-
+        unpermute_heads = {"attn_q": dims.n_heads, "attn_k": dims.n_kv}
     plans: list[_Plan] = []
     seen = set()
 
@@ -350,7 +436,6 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
         t = tensors.get(gguf_name)
         if t is None:
             if gguf_name.endswith(".bias"):
-                # Equivalent to no bias; keeps the HF module layout the config promises.
                 plans.append(_Plan(hf_name, shape, lambda s=shape: torch.zeros(s, dtype=torch.float32)))
                 return
             raise ModelLoadError(f"GGUF lacks tensor {gguf_name}")
@@ -358,16 +443,16 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
         got = _hf_shape(t)
         if got != shape:
             raise ModelLoadError(f"GGUF tensor {gguf_name} has shape {got}, expected {shape} from the metadata")
-        plans.append(_Plan(hf_name, shape, from_gguf(t, n_head), t, n_head))
+        plans.append(_Plan(hf_name, shape, _from_gguf(t, n_head), t, n_head))
 
-    add("token_embd.weight", "model.embed_tokens.weight", (vocab, hidden))
-    for i in range(n_layers):
+    add("token_embd.weight", "model.embed_tokens.weight", (dims.vocab, dims.hidden))
+    for i in range(dims.n_layers):
         for suffix, shape in expected.items():
             base = suffix.split(".")[0]
             add(f"blk.{i}.{suffix}", f"model.layers.{i}.{_BLOCK_TENSORS[suffix]}", shape, unpermute_heads.get(base))
-    add("output_norm.weight", "model.norm.weight", (hidden,))
+    add("output_norm.weight", "model.norm.weight", (dims.hidden,))
     if not tied:
-        add("output.weight", "lm_head.weight", (vocab, hidden))
+        add("output.weight", "lm_head.weight", (dims.vocab, dims.hidden))
     seen.add(_ROPE_FREQS)
     unknown = sorted(set(tensors) - seen)
     if unknown:
@@ -375,17 +460,50 @@ def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict
             f"GGUF has tensors this {arch} conversion does not know, refusing to drop them: {unknown[:8]}"
             + (" …" if len(unknown) > 8 else "")
         )
+    return plans
 
+
+def _generation_config(tok_ids: dict[str, int]) -> dict:
+    """``generation_config.json``'s token ids: bos, eos (eos/eot/eom deduplicated; one int or a
+    list) and pad; empty when the GGUF names none."""
     gen = {}
-    if "bos_token_id" in tok_meta:
-        gen["bos_token_id"] = tok_meta["bos_token_id"]
-    eos = [tok_meta[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in tok_meta]
+    if "bos_token_id" in tok_ids:
+        gen["bos_token_id"] = tok_ids["bos_token_id"]
+    eos = [tok_ids[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in tok_ids]
     eos = list(dict.fromkeys(eos))
     if eos:
         gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    if "padding_token_id" in tok_meta:
-        gen["pad_token_id"] = tok_meta["padding_token_id"]
-    return config, gen, plans
+    if "padding_token_id" in tok_ids:
+        gen["pad_token_id"] = tok_ids["padding_token_id"]
+    return gen
+
+
+def _build_config_and_plan(reader, meta: dict, dtype: torch.dtype) -> tuple[dict, dict, list[_Plan]]:
+    """``config.json``, ``generation_config.json`` and the tensor plans for one GGUF.
+
+    Args:
+        reader: the ``gguf.GGUFReader`` of the file.
+        meta: its metadata (:func:`_read_metadata`).
+        dtype: the output dtype (recorded as the config's ``torch_dtype``).
+
+    Returns:
+        ``(config, generation_config, plans)``: two JSON-able dicts and one :class:`_Plan` per
+        HF tensor (dequantized lazily, float32, HF shape).
+
+    Raises:
+        ModelLoadError: unsupported architecture or feature, metadata missing, or tensors missing,
+            unknown or of a shape the metadata does not give.
+    """
+    arch = _check_arch(meta)
+    tensors = {t.name: t for t in reader.tensors}
+    dims = _read_dims(meta, arch, tensors)
+    rope_scaling = _rope_scaling(meta, arch, tensors, dims)
+    tied = "output.weight" not in tensors
+    has_attn_bias = arch == "qwen2" or any(n.endswith("attn_q.bias") for n in tensors)
+    tok_ids = _token_ids(meta)
+    config = _hf_config(arch, meta, dims, rope_scaling, tied, has_attn_bias, tok_ids, dtype)
+    plans = _tensor_plans(arch, tensors, dims, _block_shapes(arch, dims, has_attn_bias), tied)
+    return config, _generation_config(tok_ids), plans
 
 
 def _write_native_blocks(path: Path, plans: list[_Plan]) -> None:
