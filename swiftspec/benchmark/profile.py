@@ -122,6 +122,118 @@ def _measure(engine, prompts, max_tokens) -> dict:
             "t_draft_s": sum(t_draft) / len(t_draft) if t_draft else float("nan")}
 
 
+def _calibration_prompts(target_dir: Path, prompts, num_prompts: int) -> list[list[int]]:
+    """Token ids of the calibration prompts: ``num_prompts`` from each spec in ``prompts`` (a
+    dataset name or a JSONL path, :func:`swiftspec.benchmark.records.load_prompts`), each wrapped
+    in the target's chat template as one user turn."""
+    from transformers import AutoTokenizer
+
+    from swiftspec.benchmark.records import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    calib = []
+    for spec in prompts:
+        for p in load_prompts(spec, num_prompts)[1]:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            calib.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return calib
+
+
+def _async_splits(pool: list[int], gpu: bool) -> list[tuple[list[int], list[int]]]:
+    """:func:`candidate_splits` of ``pool`` (GPU indices, or CPU cores), the engine's default split
+    (a quarter of the pool, at least one, for the draft) first."""
+    splits = candidate_splits(pool, gpu=gpu)
+    n_draft = max(1, len(pool) // 4)  # the engine's default split
+    splits.sort(key=lambda sp: len(sp[1]) != n_draft)
+    return splits
+
+
+def _engine_config(row: dict, dtype: str, devices: list[int], gpus: list[int]):
+    """The :class:`~swiftspec.engine.config.EngineConfig` a candidate row describes: an ``async``
+    row's ``target_cores`` / ``draft_cores`` are GPU indices where ``gpus`` is not empty (the
+    processes then run on all ``devices``), else CPU cores; ``d == "auto"`` is the automatic d."""
+    from swiftspec.engine.llm_engine import EngineConfig
+
+    split = row["mode"] == "async"
+    on_gpus = split and gpus
+    return EngineConfig(mode=row["mode"], dtype=dtype, target_cores=devices if on_gpus else row["target_cores"],
+                        draft_cores=None if not split or on_gpus else row["draft_cores"],
+                        target_devices=row["target_cores"] if on_gpus else None,
+                        draft_devices=row["draft_cores"] if on_gpus else None, draft_sms=row.get("draft_sms"),
+                        bs=row["bs"], w=row["w"], topk=row["w"], d=None if row["d"] == "auto" else row["d"])
+
+
+def _candidates(splits, shapes, devices: list[int], dflt, gpus: list[int], sms: int) -> list[tuple[dict, bool]]:
+    """The sweep's candidate rows in measuring order, each with whether to explore ``d`` around
+    its automatic value: every async split x tree shape (``shapes``: (bs, w) pairs), serial with
+    the default tree, the shallow and the middle tree, autoregressive, ngram, and on GPUs
+    colocated with all SMs and with a quarter (``sms``: the first GPU's SM count) for the draft."""
+    from swiftspec.engine.llm_engine import SHALLOW_TREE
+
+    out = []
+    for t_dev, d_dev in splits:
+        for bs, w in shapes:
+            out.append(({"round": "sweep", "mode": "async", "target_cores": t_dev, "draft_cores": d_dev,
+                         "bs": bs, "w": w, "d": "auto"}, True))
+    out.append(({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
+                 "bs": dflt.bs, "w": dflt.w, "d": "auto"}, True))
+    # the shallow tree (root and best child, one expansion): where verifying a node costs nearly a
+    # step; the middle one between it and the default
+    for tree in (SHALLOW_TREE, MIDDLE_TREE):
+        out.append(({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
+                     "bs": tree["bs"], "w": dflt.w, "d": tree["d"]}, False))
+    # the target alone: where a verification batch costs more than the tokens it saves, the fastest
+    out.append(({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
+                 "bs": dflt.bs, "w": dflt.w, "d": "auto"}, False))
+    # the target alone verifying prompt-lookup proposals: no draft cost, no draft prefill
+    out.append(({"round": "sweep", "mode": "ngram", "target_cores": devices, "draft_cores": [],
+                 "bs": dflt.bs, "w": dflt.w, "d": "auto"}, False))
+    if gpus:  # one GPU shared by both models, the draft on its own stream: all SMs, then a quarter of them
+        for draft_sms in (None, max(1, sms // 4)):
+            out.append(({"round": "sweep", "mode": "colocated", "target_cores": devices, "draft_cores": devices,
+                         "bs": dflt.bs, "w": dflt.w, "d": "auto", "draft_sms": draft_sms}, False))
+    return out
+
+
+def _run_candidate(row: dict, config, target_dir: Path, draft_dir: Path, calib: list[list[int]],
+                   max_tokens: int, bar, explore_d: bool = False) -> list[dict]:
+    """Measure ``row``'s configuration (``config``, an EngineConfig) on one engine after an 8-token
+    warm-up; with ``explore_d`` (automatic d) the other ``d`` values (async: ``d_candidates`` of
+    its measured times; serial: ``serial_d_candidates``) are measured on the same engine.
+
+    Returns one row per ``d`` measured: ``row`` with its ``d`` and :func:`_measure`'s fields
+    (tokens/s, compression ratio, per-forward seconds). ``bar`` (tqdm) advances once per row."""
+    from swiftspec.engine.llm_engine import Engine
+    from swiftspec.model_executor.sampling import SamplingParams
+
+    out = []
+    with Engine(target_dir, draft_dir, config=config) as eng:
+        eng.generate(calib[0], SamplingParams(max_tokens=8))  # warm-up: first touch of the weights
+        ds = [eng.config.d]
+        for d in ds:
+            eng.config.d = d
+            meas = _measure(eng, calib, max_tokens)
+            out.append({**row, "d": "auto" if d is None else d, **meas})
+            bar.update()
+            if explore_d and d is None and row["mode"] == "async":  # the measured times give r
+                ds += d_candidates(meas["t_target_s"], meas["t_draft_s"])
+            elif explore_d and d is None:
+                ds += serial_d_candidates()
+    return out
+
+
+def _chosen_config(best: dict, config, prompts, num_prompts: int, max_tokens: int) -> dict:
+    """The JSON-able configuration written for the winner: ``config``'s (EngineConfig) fields and
+    ``_measured`` (its tokens/s, compression ratio, per-forward seconds, the calibration used and
+    the local date)."""
+    out = asdict(config)
+    out["_measured"] = {"tokens_per_s": best["tokens_per_s"], "compression_ratio": best["compression_ratio"],
+                        "t_target_s": best["t_target_s"], "t_draft_s": best["t_draft_s"],
+                        "calibration": list(prompts), "num_prompts": num_prompts, "max_tokens": max_tokens,
+                        "date": time.strftime("%Y-%m-%d %H:%M")}
+    return out
+
+
 def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prompts: int = 2,
             max_tokens: int = 128, sweep: bool = False, dtype: str = "auto", devices: list[int] | None = None,
             progress: bool = True, margin: float = 0.05) -> tuple[dict, list[dict], Path]:
@@ -129,99 +241,55 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     where the chosen mode is stored for ``mode="auto"``, :func:`swiftspec.engine.machine_profile.save_profile`).
 
     The first candidate is the engine's defaults (default split, ``bs``, ``w``, automatic ``d``);
-    see :func:`choose` for how ``margin`` keeps it. A sweep winner other than the defaults is
-    confirmed by measuring it and the defaults once more ("confirm" rows) and choosing between
-    those two fresh measurements. Each candidate costs one engine start and
-    ``len(prompts) * num_prompts * max_tokens`` generated tokens per ``d`` tried."""
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
+    see :func:`choose` for how ``margin`` (a fraction of tokens/s) keeps it. A sweep winner other
+    than the defaults is confirmed by measuring it and the defaults once more ("confirm" rows) and
+    choosing between those two fresh measurements. Each candidate costs one engine start and
+    ``len(prompts) * num_prompts * max_tokens`` generated tokens per ``d`` tried.
 
-    from swiftspec.benchmark.e2e import load_prompts
-    from swiftspec.engine.llm_engine import SHALLOW_TREE, Engine, EngineConfig
-    from swiftspec.model_executor.sampling import SamplingParams
+    Args:
+        target, draft: model paths or names (:func:`swiftspec.weights.loader.resolve_model`;
+            None: the default pair).
+        prompts: calibration prompt specs (dataset names or JSONL paths).
+        num_prompts: prompts taken from each spec.
+        max_tokens: tokens generated per prompt.
+        sweep: also try the tree shapes in :data:`SWEEP_SHAPES`.
+        dtype: the engine's dtype name.
+        devices: CPU cores to use (default: this process's affinity).
+        progress: a tqdm bar on stderr.
+        margin: the fraction by which a candidate must beat the defaults.
+
+    Raises:
+        ModelLoadError: a model cannot be resolved; whatever an engine start raises.
+    """
+    from tqdm import tqdm
+
+    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.engine.machine_profile import save_profile
     from swiftspec.weights.loader import resolve_model
 
     target_dir, draft_dir = resolve_model(target, "target"), resolve_model(draft, "draft")
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    calib = []
-    for spec in prompts:
-        for p in load_prompts(spec, num_prompts)[1]:
-            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            calib.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    calib = _calibration_prompts(target_dir, prompts, num_prompts)
     devices = devices or sorted(os.sched_getaffinity(0))
     dflt = EngineConfig()
     shapes = [(dflt.bs, dflt.w)] + ([s for s in SWEEP_SHAPES if s != (dflt.bs, dflt.w)] if sweep else [])
     gpus, sms = _cuda_devices()
     # async splits: of the GPUs where the engine runs on CUDA (one process per GPU), else of the cores
-    pool = gpus or devices
-    splits = candidate_splits(pool, gpu=bool(gpus))
-    n_draft = max(1, len(pool) // 4)  # the engine's default split
-    splits.sort(key=lambda sp: len(sp[1]) != n_draft)
-
-    def engine_config(row: dict) -> EngineConfig:
-        split = row["mode"] == "async"
-        on_gpus = split and gpus
-        return EngineConfig(mode=row["mode"], dtype=dtype, target_cores=devices if on_gpus else row["target_cores"],
-                            draft_cores=None if not split or on_gpus else row["draft_cores"],
-                            target_devices=row["target_cores"] if on_gpus else None,
-                            draft_devices=row["draft_cores"] if on_gpus else None, draft_sms=row.get("draft_sms"),
-                            bs=row["bs"], w=row["w"], topk=row["w"], d=None if row["d"] == "auto" else row["d"])
-
-    def run(row: dict, explore_d: bool = False) -> list[dict]:
-        """Measure ``row``'s configuration; with ``explore_d`` (automatic d) the other ``d``
-        values (async: ``d_candidates`` of its measured times; serial: ``serial_d_candidates``)
-        are measured on the same engine."""
-        out = []
-        with Engine(target_dir, draft_dir, config=engine_config(row)) as eng:
-            eng.generate(calib[0], SamplingParams(max_tokens=8))  # warm-up: first touch of the weights
-            ds = [eng.config.d]
-            for d in ds:
-                eng.config.d = d
-                meas = _measure(eng, calib, max_tokens)
-                out.append({**row, "d": "auto" if d is None else d, **meas})
-                bar.update()
-                if explore_d and d is None and row["mode"] == "async":  # the measured times give r
-                    ds += d_candidates(meas["t_target_s"], meas["t_draft_s"])
-                elif explore_d and d is None:
-                    ds += serial_d_candidates()
-        return out
-
-    rows: list[dict] = []
+    splits = _async_splits(gpus or devices, gpu=bool(gpus))
     bar = tqdm(total=(len(splits) * len(shapes) + 1) * 3 + 6, desc="candidates", file=sys.stderr,
                disable=not progress)
-    for t_dev, d_dev in splits:
-        for bs, w in shapes:
-            base = {"round": "sweep", "mode": "async", "target_cores": t_dev, "draft_cores": d_dev, "bs": bs, "w": w,
-                    "d": "auto"}
-            rows += run(base, explore_d=True)
-    rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
-                 "bs": dflt.bs, "w": dflt.w, "d": "auto"}, explore_d=True)
-    # the shallow tree (root and best child, one expansion): where verifying a node costs nearly a
-    # step; the middle one between it and the default
-    for tree in (SHALLOW_TREE, MIDDLE_TREE):
-        rows += run({"round": "sweep", "mode": "serial", "target_cores": devices, "draft_cores": devices,
-                     "bs": tree["bs"], "w": dflt.w, "d": tree["d"]})
-    # the target alone: where a verification batch costs more than the tokens it saves, the fastest
-    rows += run({"round": "sweep", "mode": "autoregressive", "target_cores": devices, "draft_cores": [],
-                 "bs": dflt.bs, "w": dflt.w, "d": "auto"})
-    # the target alone verifying prompt-lookup proposals: no draft cost, no draft prefill
-    rows += run({"round": "sweep", "mode": "ngram", "target_cores": devices, "draft_cores": [],
-                 "bs": dflt.bs, "w": dflt.w, "d": "auto"})
-    if gpus:  # one GPU shared by both models, the draft on its own stream: all SMs, then a quarter of them
-        for draft_sms in (None, max(1, sms // 4)):
-            rows += run({"round": "sweep", "mode": "colocated", "target_cores": devices, "draft_cores": devices,
-                         "bs": dflt.bs, "w": dflt.w, "d": "auto", "draft_sms": draft_sms})
+
+    def run(row: dict, explore_d: bool = False) -> list[dict]:
+        return _run_candidate(row, _engine_config(row, dtype, devices, gpus), target_dir, draft_dir, calib,
+                              max_tokens, bar, explore_d)
+
+    rows: list[dict] = []
+    for row, explore_d in _candidates(splits, shapes, devices, dflt, gpus, sms):
+        rows += run(row, explore_d)
     best, again = choose_confirmed(rows, lambda r: run({**r, "round": "confirm"})[0], margin)
     rows += again
     bar.close()
     best["chosen"] = True
-    out = asdict(engine_config(best))
-    out["_measured"] = {"tokens_per_s": best["tokens_per_s"], "compression_ratio": best["compression_ratio"],
-                        "t_target_s": best["t_target_s"], "t_draft_s": best["t_draft_s"],
-                        "calibration": list(prompts), "num_prompts": num_prompts, "max_tokens": max_tokens,
-                        "date": time.strftime("%Y-%m-%d %H:%M")}
-    from swiftspec.engine.machine_profile import save_profile
-
+    out = _chosen_config(best, _engine_config(best, dtype, devices, gpus), prompts, num_prompts, max_tokens)
     return out, rows, save_profile(out, target_dir, draft_dir)
 
 
