@@ -53,7 +53,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from swiftspec import ops
-    from swiftspec.benchmark.e2e import DATASETS, load_prompts
+    from swiftspec.benchmark.records import DATASETS, load_prompts
     from swiftspec.model_executor.models.llama import load_model
     from swiftspec.weights.loader import default_gguf_paths, fetch_default_pair
 

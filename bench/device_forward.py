@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    from swiftspec.benchmark.e2e import machine_record
+    from swiftspec.benchmark.records import machine_record
 
     record = {"command": "python bench/device_forward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               **machine_record(cpu_kernels=device.type != "cuda"), "device": str(device),

@@ -24,7 +24,7 @@ from native_forward import step_fn  # the forward native_forward.py times (bench
 
 def main() -> None:
     from swiftspec import ops
-    from swiftspec.benchmark.e2e import machine_record
+    from swiftspec.benchmark.records import machine_record
     from swiftspec.model_executor.layers.gguf import GGUFWeight
     from swiftspec.model_executor.models.llama import load_model
     from swiftspec.weights import host_memory

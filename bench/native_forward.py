@@ -135,7 +135,7 @@ def main() -> None:
     argv = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else " " + (" ".join(map(str, v))
                                                                          if isinstance(v, list) else str(v)))
                     for k, v in vars(args).items() if v)
-    from swiftspec.benchmark.e2e import machine_record
+    from swiftspec.benchmark.records import machine_record
 
     record = {"command": "python bench/native_forward.py " + argv, "model": args.model,
               **machine_record(),  # cpu, cpu_family, cpu_flags, isa, ...

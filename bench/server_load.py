@@ -399,7 +399,7 @@ def machine_info() -> dict:
 
 
 def _prompts(n: int) -> list[str]:
-    from swiftspec.benchmark.e2e import DATASETS, load_prompts
+    from swiftspec.benchmark.records import DATASETS, load_prompts
 
     per = -(-n // len(DATASETS))
     sets = [load_prompts(ds, per)[1] for ds in DATASETS]

@@ -3,7 +3,7 @@
 Every record kind the benchmarks write is recognised by its shape:
 
 * ``swiftspec bench --json`` records (a list of per-prompt dicts): the end-to-end table and the
-  compression ratios (``swiftspec.benchmark.e2e.markdown``);
+  compression ratios (``swiftspec.benchmark.report.markdown``);
 * ``bench/kernels.py --json``: the kernel table (``swiftspec.benchmark.kernels.summary_table``);
 * ``bench/native_forward.py --out``: forward time against the machine's read bandwidth;
 * ``bench/device_forward.py --out``: forward time (eager, CUDA-graph replay) against the HBM limit;
@@ -50,7 +50,7 @@ BEGIN = re.compile(r"<!-- tables:begin ")
 
 def render(record) -> str:
     """The markdown of one record file's content. Raises ValueError for an unknown kind."""
-    from swiftspec.benchmark import e2e, kernels
+    from swiftspec.benchmark import kernels, report
 
     if isinstance(record, dict) and "records" in record:  # swiftspec bench --out, with its machine
         m = record["machine"]
@@ -65,7 +65,7 @@ def render(record) -> str:
                           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
                          + ["| " + " | ".join(r[c] for c in cols) + " |" for r in record["table"]])
     if isinstance(record, list) and record and "system" in record[0]:
-        return e2e.markdown(record)
+        return report.markdown(record)
     if isinstance(record, dict) and "cases" in record:
         return kernels.summary_table(record["cases"])
     if isinstance(record, dict) and record.get("rows") and "limit_s" in record["rows"][0]:  # bench/device_forward.py
@@ -251,7 +251,7 @@ def summary(names: list[str], results: Path = RESULTS) -> str:
     per system decode tokens/s over all prompts, its ratio to our autoregressive and to llama.cpp of
     the same record, mean time to first token, greedy equality with the target, the compression
     ratio's range over the datasets; then the machine once and the command of each record."""
-    from swiftspec.benchmark.e2e import overall
+    from swiftspec.benchmark.report import overall
 
     recs = [_load(n, results) for n in names]
     tots = [overall(r["records"]) for r in recs]

@@ -141,7 +141,7 @@ def test_trace_file_round_trip_and_errors(tmp_path):
 
 def test_shipped_trace_is_the_default_pairs():
     """The trace the GPU benchmark replays: the six datasets, the default pair, ranks in range."""
-    from swiftspec.benchmark.e2e import DATASETS
+    from swiftspec.benchmark.records import DATASETS
     from swiftspec.benchmark.replay import PACKAGED_TRACE
 
     doc = acceptance.load(PACKAGED_TRACE)

@@ -3,16 +3,9 @@ import json
 
 import pytest
 
-from swiftspec.benchmark.e2e import (
-    InsufficientMemoryError,
-    bar_chart,
-    check_memory,
-    load_prompts,
-    markdown,
-    overall,
-    summarize,
-    weight_bytes,
-)
+from swiftspec.benchmark.records import load_prompts
+from swiftspec.benchmark.report import bar_chart, markdown, overall, summarize
+from swiftspec.benchmark.weight_memory import InsufficientMemoryError, check_memory, weight_bytes
 
 
 def _rec(system, ds, tps, cr=1.0, match=True):
@@ -79,16 +72,16 @@ def test_memory_check_counts_native_blocks_as_stored(tmp_path):
 
 
 def test_equals_column_counts_prompts_and_says_na_without_reference():
-    from swiftspec.benchmark.e2e import _equals
+    from swiftspec.benchmark.report import equals_cell
 
-    assert _equals([_rec("a", "qa", 1.0), _rec("a", "qa", 1.0, match=False)]) == "1/2"
-    assert _equals([_rec("a", "qa", 1.0, match=None)]) == "n/a"  # no autoregressive run: no claim
+    assert equals_cell([_rec("a", "qa", 1.0), _rec("a", "qa", 1.0, match=False)]) == "1/2"
+    assert equals_cell([_rec("a", "qa", 1.0, match=None)]) == "n/a"  # no autoregressive run: no claim
 
 
 def test_each_system_is_compared_with_the_target_at_its_tp_degree():
     from types import SimpleNamespace
 
-    from swiftspec.benchmark.e2e import reference_system
+    from swiftspec.benchmark.systems import reference_system
 
     eng = lambda mode, tp, w="native": SimpleNamespace(shape={"mode": mode, "target_tp": tp, "weights": w})  # noqa: E731
     systems = {"swiftspec-profiled[ar]": eng("autoregressive", 1), "autoregressive": eng("autoregressive", 1),
@@ -128,7 +121,7 @@ def test_tables_and_chart(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from swiftspec.benchmark.e2e import machine_record
+    from swiftspec.benchmark.records import machine_record
     m = machine_record()
     assert m["cpu"] and m["cores"] >= 1 and set(m["isa"]) >= {"quant_gemm", "tree_attention"}
     assert ("avx2" in m["cpu_flags"]) == ("avx2" in Path("/proc/cpuinfo").read_text())
@@ -168,7 +161,8 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
     """`--config a.json b.json`: one swiftspec-profiled system per file, named by its stem, each run
     with its own tree shape (recorded), in one table with the others; a single file keeps the plain
     name; bad combinations are refused before anything loads."""
-    from swiftspec.benchmark.e2e import expand_systems, main
+    from swiftspec.benchmark.e2e import main
+    from swiftspec.benchmark.systems import expand_systems
 
     shallow, deep = tmp_path / "shallow.json", tmp_path / "deep.json"
     shallow.write_text(json.dumps({"mode": "serial", "bs": 2, "d": 1}))
@@ -214,17 +208,17 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
 def test_pipeline_table():
     from types import SimpleNamespace
 
-    from swiftspec.benchmark.e2e import _pipeline_record
+    from swiftspec.benchmark.records import pipeline_record
 
     stage = {"busy_s": 0.5}
     m = SimpleNamespace(prompt_tokens=10, draft={"busy_s": 0.25}, target={
         "stages": [stage, {"busy_s": 0.75}], "wall_s": 1.0, "timesteps": 40, "issued": 50, "pruned": 7,
         "cancelled": 2, "forward_tokens": 60})
-    rec = _pipeline_record(m)["pipeline"]
+    rec = pipeline_record(m)["pipeline"]
     assert rec["stage_busy"] == [0.5, 0.75] and rec["draft_busy"] == 0.25 and rec["recomputed_kv"] == 0
     recs = [{**_rec("pipeinfer", "qa", 20.0), "pipeline": rec}, _rec("autoregressive", "qa", 10.0)]
     assert "| pipeinfer | 1.62 | 50 | 7 | 2 | 50% / 75% | 25% | 0 |" in markdown(recs)
-    assert _pipeline_record(SimpleNamespace(target={})) == {} and "Pipeline modes" not in markdown(recs[1:])
+    assert pipeline_record(SimpleNamespace(target={})) == {} and "Pipeline modes" not in markdown(recs[1:])
 
 
 def test_profile_keeps_defaults_unless_clearly_faster():

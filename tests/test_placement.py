@@ -217,7 +217,7 @@ def test_draft_sms_needs_colocated_on_cuda(tiny_dir, monkeypatch):
 
 
 def test_draft_sms_from_the_command_line_and_bench_config(tiny_dir, capsys):
-    from swiftspec.benchmark.e2e import expand_systems
+    from swiftspec.benchmark.systems import expand_systems
     from swiftspec.entrypoints import cli
 
     for cmd in ("generate", "serve"):

@@ -121,7 +121,7 @@ def test_degraded_replay_moves_ranks_down_with_probability_p():
 
 
 def test_memory_check_for_one_resident_system_at_a_time():
-    from swiftspec.benchmark.e2e import InsufficientMemoryError, check_memory
+    from swiftspec.benchmark.weight_memory import InsufficientMemoryError, check_memory
 
     need = {"autoregressive": 60 * 2**30, "swiftspec-serial": 62 * 2**30}
     check_memory(need, 70 * 2**30, together=False, where="cuda")  # the largest fits alone

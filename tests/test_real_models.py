@@ -23,7 +23,7 @@ def pair():
 
 def _first_prompts():
     """The first prompt of each shipped dataset (a missing file fails the test, never skips it)."""
-    from swiftspec.benchmark.e2e import PACKAGED_PROMPTS
+    from swiftspec.benchmark.records import PACKAGED_PROMPTS
 
     return {ds: json.loads((PACKAGED_PROMPTS / f"{ds}.jsonl").read_text().splitlines()[0])["turns"][0]
             for ds in DATASETS}
