@@ -12,7 +12,7 @@ learned):
   ``cudaIpcGetMemHandle``); a consumer process maps it (``cudaIpcOpenMemHandle``), checks the
   producer's values and writes its own, which the producer reads back.
 * ``checks.ll_same_gpu``: two ranks on GPU 0 over a gloo group run swiftspec's CUDA LL all-reduce
-  (:class:`swiftspec.ops.cuda.CudaLLCommunicator`, the engine's path for ranks sharing a GPU):
+  (:class:`swiftspec.ops.cuda_comm.CudaLLCommunicator`, the engine's path for ranks sharing a GPU):
   correctness, a CUDA-graph replay of it, the per-call latency in microseconds (median of 50
   calls; without MPS the GPU time-slices between the two processes). Needs the swiftspec checkout
   this script lives in and nvcc (its library is built first, ``--build-timeout``); "skipped" when
@@ -195,7 +195,7 @@ def _ll_rank(rank: int, world: int, port: int, timeout_s: float, q) -> None:
         import torch.distributed as dist
 
         sys.path.insert(0, REPO)
-        from swiftspec.ops.cuda import CudaLLCommunicator
+        from swiftspec.ops.cuda_comm import CudaLLCommunicator
 
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -239,11 +239,11 @@ def _ll_rank(rank: int, world: int, port: int, timeout_s: float, q) -> None:
 
 
 def _cuda_ops():
-    """(swiftspec.ops.cuda, None) from this checkout, or (None, the step's "skipped" record) where
-    swiftspec is not importable or there is no nvcc to build the LL kernels."""
+    """(swiftspec.ops.cuda_build, None) from this checkout, or (None, the step's "skipped" record)
+    where swiftspec is not importable or there is no nvcc to build the LL kernels."""
     sys.path.insert(0, REPO)
     try:
-        from swiftspec.ops import cuda as sc
+        from swiftspec.ops import cuda_build as sc
     except Exception as e:
         return None, {"status": "skipped", "reason": f"swiftspec is not importable from {REPO}: {e}"}
     if sc.nvcc_path() is None:
@@ -252,10 +252,12 @@ def _cuda_ops():
 
 
 def child_ll(timeout_s: float) -> dict:
-    sc, skipped = _cuda_ops()
+    _, skipped = _cuda_ops()
     if skipped:
         return skipped
-    sc.load()  # built by the ll_build step before (cached)
+    from swiftspec.ops.cuda_lib import load
+
+    load()  # built by the ll_build step before (cached)
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")

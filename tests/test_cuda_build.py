@@ -1,7 +1,7 @@
-"""CI checks of the CUDA kernels that need nvcc but no GPU (csrc/kernels, swiftspec/ops/cuda.py).
+"""CI checks of the CUDA kernels that need nvcc but no GPU (csrc/kernels, swiftspec/ops/cuda*.py).
 
 Each ``.cu`` is compiled separately (``nvcc -arch=sm_90a -c -Xcompiler -Wall``, through
-``cuda.build``, which caches the result keyed by the sources' hash) for the production flags and
+``cuda_build.build``, which caches the result keyed by the sources' hash) for the production flags and
 for ``-DSWIFTSPEC_LL_FLAG_BITS=2``; the warnings are printed and raised as pytest warnings (the CI log's warnings summary shows them). The
 shared library must load with ctypes and export every function of ``api.h``; on a machine
 without a GPU a call that needs one must come back as a clear CudaKernelError. The PTX of the LL
@@ -20,9 +20,9 @@ import warnings
 import pytest
 import torch
 
-from swiftspec.ops import cuda
+from swiftspec.ops import cuda, cuda_build, cuda_comm, cuda_lib
 
-pytestmark = pytest.mark.skipif(cuda.nvcc_path() is None, reason="nvcc is not on PATH")
+pytestmark = pytest.mark.skipif(cuda_build.nvcc_path() is None, reason="nvcc is not on PATH")
 
 FLAG_SETTINGS = [None, 2]
 
@@ -30,18 +30,18 @@ FLAG_SETTINGS = [None, 2]
 @pytest.fixture(scope="session")
 def builds():
     """flag_bits -> BuildResult; every source compiled once per flag setting."""
-    return {fb: cuda.build(fb) for fb in FLAG_SETTINGS}
+    return {fb: cuda_build.build(fb) for fb in FLAG_SETTINGS}
 
 
 @pytest.fixture(scope="session")
 def libs(builds):
-    return {fb: cuda._open(res.path) for fb, res in builds.items()}
+    return {fb: cuda_lib._open(res.path) for fb, res in builds.items()}
 
 
 @pytest.fixture(scope="session")
 def ll_ptx(tmp_path_factory):
     out = tmp_path_factory.mktemp("ptx") / "ll_comm.ptx"
-    cmd = cuda.nvcc_command(cuda.KERNELS / "ll_comm.cu", out, mode="ptx")
+    cmd = cuda_build.nvcc_command(cuda_build.KERNELS / "ll_comm.cu", out, mode="ptx")
     subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
     return out.read_text()
 
@@ -49,7 +49,7 @@ def ll_ptx(tmp_path_factory):
 @pytest.mark.parametrize("flag_bits", FLAG_SETTINGS)
 def test_every_source_compiles_separately(builds, flag_bits):
     res = builds[flag_bits]
-    names = {p.name for p in cuda.sources()}
+    names = {p.name for p in cuda_build.sources()}
     assert {"ll_comm.cu", "swiglu.cu", "tree_attention.cu"} <= names
     assert names <= set(res.logs), f"no compile log for {names - set(res.logs)}"
     for name in sorted(names):
@@ -59,49 +59,49 @@ def test_every_source_compiles_separately(builds, flag_bits):
             print(text)
             # a pytest warning, so the CI log's warnings summary shows nvcc's warnings
             warnings.warn(f"nvcc warnings in {name} (flag_bits={flag_bits}):\n{text}", UserWarning)
-    assert res.path.is_file() and res.path.name == cuda.LIB_NAME
+    assert res.path.is_file() and res.path.name == cuda_build.LIB_NAME
     # the atomic write leaves no temporary directories behind
     assert not list(res.path.parent.glob(".tmp-*"))
 
 
 def test_compile_flags_are_the_ci_flags():
-    flags = cuda.compile_flags()
+    flags = cuda_build.compile_flags()
     assert "-arch=sm_90a" in flags and "-O3" in flags
     assert "-Wall" in flags and "-fPIC" in flags
-    assert "-DSWIFTSPEC_LL_FLAG_BITS=2" in cuda.compile_flags(2)
-    cmd = cuda.nvcc_command(cuda.KERNELS / "swiglu.cu", "x.o")
+    assert "-DSWIFTSPEC_LL_FLAG_BITS=2" in cuda_build.compile_flags(2)
+    cmd = cuda_build.nvcc_command(cuda_build.KERNELS / "swiglu.cu", "x.o")
     assert "-c" in cmd
     # a local GPU other than sm_90 gets its own SASS next to sm_90a
-    assert cuda.arch_flags("sm_80") == ["-arch=sm_90a", "-gencode", "arch=compute_80,code=sm_80"]
-    assert cuda.arch_flags("sm_90") == ["-arch=sm_90a"]
-    assert cuda.arch_flags(None) == ["-arch=sm_90a"]
+    assert cuda_build.arch_flags("sm_80") == ["-arch=sm_90a", "-gencode", "arch=compute_80,code=sm_80"]
+    assert cuda_build.arch_flags("sm_90") == ["-arch=sm_90a"]
+    assert cuda_build.arch_flags(None) == ["-arch=sm_90a"]
 
 
 def test_build_hash_changes_with_flags():
-    assert cuda.build_dir(None) != cuda.build_dir(2)
-    assert cuda.build_dir(None) == cuda.build_dir(None)
+    assert cuda_build.build_dir(None) != cuda_build.build_dir(2)
+    assert cuda_build.build_dir(None) == cuda_build.build_dir(None)
 
 
 def test_cached_build_is_reused(builds):
-    again = cuda.build(None)
+    again = cuda_build.build(None)
     assert not again.built
     assert again.path == builds[None].path
     assert set(again.logs) == set(builds[None].logs)
 
 
 def _api_functions() -> set[str]:
-    text = (cuda.KERNELS / "api.h").read_text()
+    text = (cuda_build.KERNELS / "api.h").read_text()
     return set(re.findall(r"^SS_API\s+[\w\s\*]+?\b(ss_\w+)\s*\(", text, flags=re.M))
 
 
 def test_exports_match_api_header(libs):
     declared = _api_functions()
     assert len(declared) >= 15
-    assert declared == set(cuda.EXPORTS), "api.h and cuda.EXPORTS disagree"
+    assert declared == set(cuda_lib.EXPORTS), "api.h and cuda_lib.EXPORTS disagree"
     for fb, lib in libs.items():
         for name in declared:
             assert hasattr(lib, name), f"{name} missing (flag_bits={fb})"
-        assert lib.ss_abi_version() == cuda.ABI_VERSION
+        assert lib.ss_abi_version() == cuda_lib.ABI_VERSION
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm not available")
@@ -109,7 +109,7 @@ def test_static_cudart_symbols_stay_private(builds):
     out = subprocess.run(["nm", "-D", "--defined-only", str(builds[None].path)],
                          stdout=subprocess.PIPE, text=True, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    assert set(cuda.EXPORTS) <= exported
+    assert set(cuda_lib.EXPORTS) <= exported
     leaked = sorted(s for s in exported if s.startswith("cuda") or s.startswith("__cuda"))
     assert not leaked, f"cudart symbols exported (would interpose on torch's cudart): {leaked[:5]}"
 
@@ -177,7 +177,7 @@ def test_invalid_arguments_are_rejected_before_any_device_call(libs):
     assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 65, 0, fake, 0, None) == invalid
     assert lib.ss_tree_attention(*args, 2, 4, 2, 64, 32, 32, 8, 1.0, 0, 0, fake, 0, None) == invalid
     assert lib.ss_tree_attention_split_cap(0, ctypes.byref(ctypes.c_int())) == invalid
-    name, text = cuda.error_name(invalid, lib)
+    name, text = cuda_lib.error_name(invalid, lib)
     assert name == "cudaErrorInvalidValue" and text
 
 
@@ -189,21 +189,21 @@ def test_calls_without_a_device_raise_clear_errors(libs):
     if st == 0 and n.value > 0:
         pytest.skip("the driver sees a GPU although torch does not")
     no_device = {"cudaErrorNoDevice", "cudaErrorInsufficientDriver"}
-    assert cuda.device_count() == 0
-    assert not cuda.available()
-    with pytest.raises(cuda.CudaKernelError) as ei:
-        cuda.ipc_alloc(4096)
+    assert cuda_lib.device_count() == 0
+    assert not cuda_lib.available()
+    with pytest.raises(cuda_lib.CudaKernelError) as ei:
+        cuda_comm.ipc_alloc(4096)
     assert ei.value.name in no_device and "ss_ipc_alloc" in str(ei.value)
     # a kernel launch with plausible arguments comes back with the same kind of status
     fake = ctypes.c_void_p(256)
     st = lib.ss_swiglu(fake, fake, fake, 2, 64, 64, 1, None)
     assert st != 0
-    with pytest.raises(cuda.CudaKernelError) as ei:
-        cuda.check(st, "ss_swiglu", lib)
+    with pytest.raises(cuda_lib.CudaKernelError) as ei:
+        cuda_lib.check(st, "ss_swiglu", lib)
     assert ei.value.name in no_device
-    with pytest.raises(cuda.CudaKernelError):
+    with pytest.raises(cuda_lib.CudaKernelError):
         cuda.tree_attention_plan(100, 8)  # needs the SM count of a device
-    with pytest.raises(cuda.CudaKernelError):
+    with pytest.raises(cuda_lib.CudaKernelError):
         cuda.tree_attention_split_cap(8)
 
 
@@ -222,6 +222,7 @@ def test_wrappers_reject_cpu_tensors():
 def test_module_imports_without_building(tmp_path):
     # importing never builds or touches CUDA: the library is compiled on first use only
     env = {**os.environ, "SWIFTSPEC_CACHE": str(tmp_path)}
-    code = "import swiftspec.ops.cuda as c; assert c.DTYPE_CODES and c.PROTOCOLS['ll8'] == 1"
+    code = ("import swiftspec.ops.cuda, swiftspec.ops.cuda_comm, swiftspec.ops.cuda_lib as c; "
+            "assert c.DTYPE_CODES and c.PROTOCOLS['ll8'] == 1")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert not (tmp_path / "build").exists()

@@ -1,4 +1,4 @@
-"""The CUDA kernels (csrc/kernels via swiftspec/ops/cuda.py) against the PyTorch references.
+"""The CUDA kernels (csrc/kernels via swiftspec/ops/cuda.py, cuda_lib.py, cuda_comm.py) against the PyTorch references.
 
 Runs wherever CUDA is present (skipped as a whole otherwise): SwiGLU and tree attention vs
 ``swiftspec.ops.reference`` (fp32 / bf16 / fp16, masks with fully masked rows and fully masked
@@ -23,6 +23,8 @@ import torch
 from ranks import digest, rank_inputs, rank_sum, report, spawn_ranks
 
 from swiftspec.ops import reference
+from swiftspec.ops.cuda_comm import CudaLLCommunicator
+from swiftspec.ops.cuda_lib import CudaKernelError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,15 +36,16 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16:
 @pytest.fixture(scope="module")
 def cuda():
     from swiftspec.ops import cuda as mod
+    from swiftspec.ops import cuda_lib as lib
 
-    mod.load()
-    assert mod.load(flag_bits=2).ss_ll_flag_bits() == 2
-    if mod.device_count() == 0:
+    lib.load()
+    assert lib.load(flag_bits=2).ss_ll_flag_bits() == 2
+    if lib.device_count() == 0:
         n = ctypes.c_int()
-        st = mod.load().ss_device_count(ctypes.byref(n))
+        st = lib.load().ss_device_count(ctypes.byref(n))
         pytest.fail(f"torch sees a GPU but the kernel library's CUDA runtime does not "
-                    f"({mod.error_name(st)}): is the driver older than the nvcc used to build it?")
-    assert mod.available()
+                    f"({lib.error_name(st)}): is the driver older than the nvcc used to build it?")
+    assert lib.available()
     return mod
 
 
@@ -357,7 +360,7 @@ def _launches(n, dtype, capacity):
 @pytest.mark.parametrize("protocol", ["ll16", "ll8"])
 def test_size1_all_reduce_packets_and_epochs(cuda, protocol):
     cap = 4096
-    comm = cuda.CudaLLCommunicator(None, 0, 1, cap, protocol=protocol, flag_bits=2, timeout_s=20)
+    comm = CudaLLCommunicator(None, 0, 1, cap, protocol=protocol, flag_bits=2, timeout_s=20)
     try:
         assert comm.epoch() == 0
         launches = 0
@@ -385,7 +388,7 @@ def test_size1_all_reduce_packets_and_epochs(cuda, protocol):
 @pytest.mark.parametrize("M,K,N", [(1, 64, 1), (5, 100, 33), (16, 256, 300), (3, 1000, 97),
                                    (20, 64, 40)])
 def test_size1_gemm_all_reduce(cuda, protocol, dtype, M, K, N):
-    comm = cuda.CudaLLCommunicator(None, 0, 1, 4096, protocol=protocol, flag_bits=2, timeout_s=20)
+    comm = CudaLLCommunicator(None, 0, 1, 4096, protocol=protocol, flag_bits=2, timeout_s=20)
     try:
         x = _randn((M, K), 1, dtype)
         w = _randn((N, K), 2, dtype, scale=K ** -0.5)
@@ -401,7 +404,7 @@ def test_size1_gemm_all_reduce(cuda, protocol, dtype, M, K, N):
 
 
 def test_size1_collectives_graph_replay(cuda):
-    comm = cuda.CudaLLCommunicator(None, 0, 1, 1 << 16, flag_bits=2, timeout_s=20)
+    comm = CudaLLCommunicator(None, 0, 1, 1 << 16, flag_bits=2, timeout_s=20)
     try:
         x = _randn((1000,), 1, torch.bfloat16)
         xg = _randn((4, 128), 2, torch.bfloat16)
@@ -435,17 +438,17 @@ def test_size1_collectives_graph_replay(cuda):
 
 def test_communicator_argument_errors(cuda):
     with pytest.raises(ValueError):
-        cuda.CudaLLCommunicator(None, 0, 2, 4096)  # size 2 needs a group
+        CudaLLCommunicator(None, 0, 2, 4096)  # size 2 needs a group
     with pytest.raises(ValueError):
-        cuda.CudaLLCommunicator(None, 0, 1, 4096, protocol="simple")
-    comm = cuda.CudaLLCommunicator(None, 0, 1, 64)
+        CudaLLCommunicator(None, 0, 1, 4096, protocol="simple")
+    comm = CudaLLCommunicator(None, 0, 1, 64)
     try:
         with pytest.raises(ValueError, match="contiguous"):
             comm.all_reduce(_randn((8, 8), 1, torch.float32).t())
         with pytest.raises(ValueError, match="dtype"):
             comm.gemm_all_reduce(_randn((2, 8), 1, torch.float32), _randn((4, 8), 1, torch.float16))
         # 64 bytes of capacity cannot hold one 32-column tile of fp32 partials
-        with pytest.raises(cuda.CudaKernelError, match="cudaErrorInvalidValue"):
+        with pytest.raises(CudaKernelError, match="cudaErrorInvalidValue"):
             comm.gemm_all_reduce(_randn((2, 8), 1, torch.float32), _randn((40, 8), 1, torch.float32))
     finally:
         comm.close()
@@ -458,8 +461,8 @@ def test_silent_peer_traps_instead_of_hanging(cuda):
     Runs in a subprocess because a trapped kernel leaves the CUDA context unusable."""
     code = textwrap.dedent("""
         import ctypes, sys, torch
-        from swiftspec.ops import cuda
-        lib = cuda.load()
+        from swiftspec.ops import cuda_lib
+        lib = cuda_lib.load()
         region = 4096
         buf = torch.zeros(lib.ss_ll_buffer_bytes(2, region), dtype=torch.uint8, device="cuda")
         table = torch.tensor([buf.data_ptr(), buf.data_ptr()], dtype=torch.int64, device="cuda")
@@ -493,7 +496,7 @@ def _rank_main(rank, world, port, q):
     try:
         import torch.distributed as dist
 
-        from swiftspec.ops import cuda
+        from swiftspec.ops.cuda_comm import CudaLLCommunicator
 
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -501,7 +504,7 @@ def _rank_main(rank, world, port, q):
         group = dist.new_group(list(range(world)))
         results = {}
         for protocol in ("ll16", "ll8"):
-            comm = cuda.CudaLLCommunicator(group, rank, world, 4096, protocol=protocol,
+            comm = CudaLLCommunicator(group, rank, world, 4096, protocol=protocol,
                                            flag_bits=2, timeout_s=30)
             # all-reduce: many calls, sizes shrink and grow (stale packets of older, larger
             # messages would carry a reused flag with 2-bit flags), chunked above 4096 bytes

@@ -75,9 +75,9 @@ def _rank_main(rank, world, port, q):
 @pytest.fixture(scope="module")
 def kernels_built():
     """The kernel library built here once (no CUDA context needed), so ranks and workers only load it."""
-    from swiftspec.ops import cuda
+    from swiftspec.ops import cuda_lib
 
-    cuda.load()
+    cuda_lib.load()
 
 
 def test_two_ranks_on_one_gpu_run_the_ll_collectives(kernels_built):

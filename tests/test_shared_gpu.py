@@ -119,13 +119,13 @@ def _rank_world(rank, world, port, mode, q):
         import torch.distributed as dist
 
         from swiftspec.distributed.parallel import init_world
-        from swiftspec.ops import cuda
+        from swiftspec.ops import cuda_comm
 
         torch.set_num_threads(1)
         if mode == "fails":
-            cuda.CudaLLCommunicator = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cudaIpcOpenMemHandle: no"))
+            cuda_comm.CudaLLCommunicator = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cudaIpcOpenMemHandle: no"))
         else:
-            cuda.CudaLLCommunicator = _ShmAsLL
+            cuda_comm.CudaLLCommunicator = _ShmAsLL
         devices = ["cuda:0"] * world  # every rank on one GPU
         try:
             (ctx,) = init_world(rank, world, port, [list(range(world))], timeout_s=30.0, shm_comm=True,

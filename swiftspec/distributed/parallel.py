@@ -5,7 +5,7 @@ Megatron style. On CPU the collectives run over torch.distributed with the gloo 
 over NCCL. ``TPContext`` is what a layer sees: its rank inside the group, the group size (the TP
 degree) and the collectives it needs. A group can also carry an LL communicator (the LL all-reduce
 of the SwiftSpec paper section 6): on CPU, when every rank runs on one host, the shared-memory one
-(:mod:`swiftspec.distributed.comm`); on CUDA the IPC one (:class:`swiftspec.ops.cuda.CudaLLCommunicator`). The
+(:mod:`swiftspec.distributed.comm`); on CUDA the IPC one (:class:`swiftspec.ops.cuda_comm.CudaLLCommunicator`). The
 all-reduce, the row-parallel GEMM + all-reduce and (off NCCL) the LM head's all-gather then use it.
 
 Where a group puts two ranks on one GPU, NCCL cannot be used at all: the process groups are gloo
@@ -71,7 +71,7 @@ class TPContext:
         group: the torch.distributed process group, or None when ``size == 1``.
         shm: the group's LL communicator, or None (gloo / NCCL): a
             :class:`swiftspec.distributed.comm.ShmCommunicator` on CPU, a
-            :class:`swiftspec.ops.cuda.CudaLLCommunicator` on CUDA (same interface).
+            :class:`swiftspec.ops.cuda_comm.CudaLLCommunicator` on CUDA (same interface).
         control: the torch.distributed backend of ``group`` ("gloo" or "nccl"), None without one.
     """
 
@@ -284,7 +284,7 @@ def _group_cuda_ll(pg, rank: int, size: int, timeout_s: float, required: bool = 
     be set up (its constructor is collective: every rank fails alike) it returns None and the group
     keeps NCCL, or, with ``required`` (a gloo group on CUDA: nothing else can carry its
     collectives), raises RuntimeError naming :data:`PROBE`."""
-    from swiftspec.ops.cuda import CudaLLCommunicator
+    from swiftspec.ops.cuda_comm import CudaLLCommunicator
 
     try:
         return CudaLLCommunicator(pg, rank, size, timeout_s=timeout_s)

@@ -1,7 +1,8 @@
 """One function per latency op; each call goes to the CUDA kernel, the CPU twin or the PyTorch
 path, by the tensors' device and what is available (SwiftSpec paper section 3.3; README.md, "Kernels").
 
-- ``cuda``: ``csrc/kernels/*.cu`` through :mod:`swiftspec.ops.cuda` (tensors on a CUDA device).
+- ``cuda``: ``csrc/kernels/*.cu`` through :mod:`swiftspec.ops.cuda` (tensors on a CUDA device; the library is built by
+  :mod:`swiftspec.ops.cuda_build` and loaded by :mod:`swiftspec.ops.cuda_lib`).
 - ``cpu``: the C++ twins ``csrc/cpu/*.cpp`` through :mod:`swiftspec.ops.cpu` (CPU tensors).
 - ``torch``: plain PyTorch ops (the fallback; :mod:`swiftspec.ops.reference` is the test oracle).
 
@@ -51,9 +52,9 @@ def _cpu_module():
 
 @functools.lru_cache(maxsize=None)
 def _cuda_module():
-    from swiftspec.ops import cuda
+    from swiftspec.ops import cuda, cuda_lib
     try:
-        return cuda if cuda.available() else None
+        return cuda if cuda_lib.available() else None
     except Exception as e:  # a failed nvcc build or load: fall back, say why once
         warnings.warn(f"CUDA kernels unavailable, using PyTorch ops: {e}", RuntimeWarning, stacklevel=3)
         return None
