@@ -43,6 +43,10 @@ from swiftspec.benchmark.weight_memory import available_memory_bytes, check_memo
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The command line of ``swiftspec bench`` (added to ``ap`` when given, e.g. the CLI's
+    subcommand): prompt sets, prompts per set, tokens to generate, systems, dtype, ``d``, the
+    ``--config`` files of ``swiftspec-profiled``, the model pair and their GGUFs, the device, the
+    output directory, ``--json`` and the replay options (:func:`swiftspec.benchmark.replay.add_arguments`)."""
     ap = ap or argparse.ArgumentParser(prog="swiftspec bench", description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", nargs="+", default=DATASETS, help="dataset names or JSONL files (default: all six)")
     ap.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset")
@@ -242,6 +246,11 @@ def _free_device_memory(device: str) -> None:
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    """Run the benchmark (:func:`run`) from ``argv`` or parsed ``args``; with ``--json`` print the
+    records as one JSON list, else print the markdown tables and write ``e2e.md``, ``e2e.json``
+    (records, command and :func:`~swiftspec.benchmark.records.machine_record`) and the chart
+    ``e2e.png`` (skipped without matplotlib) to ``--out``. Returns the exit status (0); raises what
+    :func:`run` raises."""
     args = args or build_parser().parse_args(argv)
     records = run(args)
     if args.json:

@@ -73,6 +73,9 @@ class Case:
     weight_bytes: int = 0  # bytes of weights our op reads per call (0: not a weight-streaming op)
 
     def summary(self) -> dict:
+        """The case as a JSON-able record: op, shape, dtype, threads, ``ours`` and each baseline's
+        :func:`_stats` (per-call seconds: median and spread), ``speedup`` per baseline (its median /
+        ours), and for weight-streaming ops ``weight_bytes`` and ``ours_gb_s`` (weight GB/s, 1e9 bytes)."""
         out = {"op": self.op, "shape": self.shape, "dtype": self.dtype, "threads": self.threads,
                "ours": _stats(self.ours)}
         out["baselines"] = {k: _stats(v) for k, v in self.baselines.items()}
@@ -110,6 +113,12 @@ def time_interleaved(fns: dict[str, Callable[[], object]], rounds: int, iters: i
 
 # ---- SwiGLU ------------------------------------------------------------------------------
 def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS), rows=(1, 8)) -> list[Case]:
+    """Fused SwiGLU (``ops.swiglu``) against one concatenated gate/up matmul + SiLU * mul and against
+    two matmuls, for every model in ``models`` at TP 1/2/4/8 (the rank's ``I = ceil(I / TP)``
+    rows; shapes over :data:`MAX_WEIGHT_BYTES` and Qwen above TP 2 left out), ``rows`` input rows
+    each, every dtype in ``dtypes`` and intra-op thread count in ``threads_list``; weights
+    ``[2 * I, hidden]`` on ``device``. ``rounds`` x ``iters`` calls alternate ours and the baselines
+    (:func:`time_interleaved`). Returns one :class:`Case` per shape, dtype and thread count."""
     from swiftspec import ops
     from swiftspec.ops import reference
 
@@ -141,6 +150,9 @@ def swiglu_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODEL
 
 # ---- RMSNorm -----------------------------------------------------------------------------
 def rms_norm_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS), rows=(1, 8, 16)) -> list[Case]:
+    """Fused residual add + RMSNorm (``ops.rms_norm``, eps 1e-6) against the PyTorch path
+    (``reference.rms_norm``) on ``rows`` x hidden inputs of every model in ``models``, per dtype and
+    thread count, on ``device``; one :class:`Case` each (per-call seconds)."""
     from swiftspec import ops
     from swiftspec.ops import reference
 
@@ -161,6 +173,9 @@ def rms_norm_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MOD
 
 
 def silu_mul_cases(dtypes, threads_list, rounds, iters, models=tuple(MODELS), rows=(1, 8, 16, 512)) -> list[Case]:
+    """SwiGLU's activation on the quantized GEMM's fp32 ``[M, 2 * I]`` gate | up sums
+    (``ops.silu_and_mul``, result in each of ``dtypes``) against the PyTorch path, ``rows`` rows of
+    every model's intermediate size, per thread count, on the CPU; one :class:`Case` each."""
     from swiftspec import ops
     from swiftspec.ops import reference
 
@@ -325,6 +340,11 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
 
 # ---- tree attention ----------------------------------------------------------------------
 def attention_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS), n_queries=8) -> list[Case]:
+    """Tree attention with fused RoPE (``ops.tree_attention``) against the kernels-off PyTorch path
+    (``ops._torch_tree_attention``): ``n_queries`` tree queries over 500 and 1000 cached keys, the
+    rank's heads of every model in ``models`` at TP 1/2/4/8 (head counts that do not divide, and
+    Qwen above TP 1, left out), a draft-tree mask (each query sees the context, itself and a random
+    earlier node), per dtype and thread count, on ``device``; one :class:`Case` each."""
     from swiftspec import ops
     from swiftspec.ops import _torch_tree_attention
 
@@ -426,6 +446,14 @@ def _comm_worker(rank: int, size: int, port: int, ops_: list[str], dtypes: list[
 
 
 def comm_cases(ops_, dtypes, rounds, iters, size=2) -> list[Case]:
+    """The collectives in ``ops_`` (``"allreduce"``: the shared-memory LL all-reduce against gloo
+    ``all_reduce``, 1 KiB to 1 MiB; ``"gemm_ar"``: the fused GEMM + all-reduce against matmul then
+    gloo, M = 8) measured by ``size`` spawned ranks on this host, per dtype; rank 0's
+    :class:`Case` list.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback in the message) or no reply within an hour.
+    """
     import multiprocessing as mp
 
     from swiftspec.distributed.parallel import free_tcp_port
@@ -485,6 +513,8 @@ def summary_table(summaries: list[dict]) -> str:
 
 
 def machine() -> str:
+    """One line naming the machine the cases ran on: CPU model, CPU count, GPU name (or "no GPU")
+    and the torch version."""
     from swiftspec.engine.machine_profile import cpu_model_name
 
     cpu = cpu_model_name()
@@ -493,6 +523,8 @@ def machine() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``bench/kernels.py``: ops, dtypes, intra-op thread counts, rounds and
+    calls per round, model shapes, input rows, device and the JSON output file."""
     ap = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__.splitlines()[0])
     ops_ = ["allreduce", "gemm_ar", "swiglu", "linear", "rms_norm", "silu_mul", "int8_linear", "quant_linear",
             "attention"]
@@ -512,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run the cases ``argv`` selects (the collectives and the CPU-only ops only on ``--device cpu``),
+    print the backend, the machine and the table, and with ``--json`` write every case's summary
+    with the machine and argv. Returns the exit status (0)."""
     args = build_parser().parse_args(argv)
     dtypes = [getattr(torch, d) for d in args.dtypes]
     from swiftspec import ops

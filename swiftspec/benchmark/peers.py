@@ -113,6 +113,7 @@ class HFPeer:
         return out, m
 
     def close(self):
+        """Drop the model and the assistant (their memory is freed when nothing else holds them)."""
         self.model = self.assistant = None
 
 
@@ -183,6 +184,14 @@ class LlamaCppPeer:
                                    draft_model=self.draft)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=()) -> tuple[list[int], RequestMetrics]:
+        """Greedy decoding of ``prompt_ids`` (top-k 1, no repeat penalty) from a reset context, until a
+        token in ``eos_ids`` or ``max_tokens`` tokens.
+
+        Returns:
+            ``(token ids, RequestMetrics)``: times from each token's arrival (seconds); with a draft
+            the compression ratio is generated tokens per target forward (one forward follows each
+            draft call), else 1.
+        """
         self.llm.reset()
         if self.draft is not None:
             self.draft.llm.reset()
@@ -200,4 +209,5 @@ class LlamaCppPeer:
         return out, m
 
     def close(self):
+        """Drop the llama.cpp model and the draft (llama-cpp-python frees them when collected)."""
         self.llm = self.draft = None

@@ -304,6 +304,8 @@ def _cuda_devices() -> tuple[list[int], int]:
 
 
 def table(rows: list[dict]) -> str:
+    """The candidate rows as a markdown table: round, mode, cores, bs, w, d, per-forward target and
+    draft milliseconds, tokens/s (the chosen row marked **chosen**) and compression ratio."""
     lines = ["| round | mode | target cores | draft cores | bs | w | d | t_target ms | t_draft ms | tokens/s | compression |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -316,6 +318,9 @@ def table(rows: list[dict]) -> str:
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The command line of ``swiftspec profile`` (added to ``ap`` when given): the model pair,
+    calibration prompt sets and counts, tokens per prompt, ``--sweep``, ``--margin``, dtype, the CPU
+    cores to split and the output file."""
     ap = ap or argparse.ArgumentParser(prog="swiftspec profile", description=__doc__.splitlines()[0])
     ap.add_argument("--target")
     ap.add_argument("--draft")
@@ -335,6 +340,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    """Profile from ``argv`` or parsed ``args`` (:func:`profile`), print every candidate and the
+    choice, and write the chosen configuration JSON to ``--output`` atomically (temporary file, then
+    ``os.replace``). Returns the exit status (0); raises what :func:`profile` raises."""
     args = args or build_parser().parse_args(argv)
     devices = [int(c) for c in args.cores.split(",")] if args.cores else None
     best, rows, stored = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,

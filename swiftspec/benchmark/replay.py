@@ -22,6 +22,9 @@ NOT_REPLAYABLE = ("hf-assisted", "llama-cpp", "llama-cpp-spec", "pipeline-autore
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Add the acceptance-replay options to a ``swiftspec bench`` parser: ``--record-trace``,
+    ``--random-weights``, ``--acceptance``, ``--target-config`` / ``--draft-config`` and
+    ``--degrade`` (probabilities in [0, 1]; :func:`check` validates them together)."""
     ap.add_argument("--record-trace", metavar="FILE",
                     help="write the acceptance trace of this run's prompts (needs autoregressive among the systems)")
     ap.add_argument("--random-weights", action="store_true",

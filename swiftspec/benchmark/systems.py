@@ -101,6 +101,7 @@ class EngineSystem:
         return out.token_ids, out.metrics
 
     def close(self):
+        """Shut the engine down (its worker processes and their memory)."""
         self.engine.close()
 
 
