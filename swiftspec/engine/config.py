@@ -210,6 +210,10 @@ class EngineConfig:
         return None if self.draft_quant == "none" else self.draft_quant
 
     def tree_params(self) -> TreeParams:
+        """The draft tree's shape (:class:`~swiftspec.spec_decode.draft_state.TreeParams`): ``bs``
+        (nodes per verification, root included), ``w`` (leaves per draft forward), ``topk`` (children
+        per expanded node; ``w`` when unset), ``max_nodes`` (tree nodes) and ``max_cached`` (tree-cache
+        slots)."""
         return TreeParams(self.bs, self.w, self.topk or self.w, self.max_nodes, self.max_cached)
 
     def ngram_params(self) -> NgramParams:

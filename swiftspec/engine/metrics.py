@@ -19,6 +19,18 @@ import numpy as np
 
 @dataclass
 class RequestMetrics:
+    """One request's metrics (definitions and units in the module docstring).
+
+    Attributes:
+        mode: the decoding mode that ran. prompt_tokens / num_tokens: prompt and generated tokens.
+        ttft_s, decode_s: time to first token and decode time (seconds, prefill excluded).
+        tokens_per_s: decode speed. tbt_mean_s / tbt_p50_s / tbt_p99_s: time between tokens (seconds).
+        compression_ratio: verified tokens per target verification forward. verifications: those forwards.
+        accepted_hist: accepted nodes per verification -> count. finish_reason: "stop" (EOS or stop string), "length" or None.
+        target, draft: each model's counters (forwards, busy seconds, ...; mode dependent).
+        mode_reason: why this mode ran. kernels: kernel family -> implementation.
+    """
+
     mode: str
     prompt_tokens: int
     num_tokens: int
@@ -38,6 +50,7 @@ class RequestMetrics:
     kernels: dict = field(default_factory=dict)  # kernel family -> implementation (ops.cpu_dispatch)
 
     def to_dict(self) -> dict:
+        """The metrics as a JSON-able dict (``dataclasses.asdict``)."""
         return asdict(self)
 
     @classmethod

@@ -47,6 +47,7 @@ class Group:
 
     @property
     def tp(self) -> int:
+        """The group's tensor-parallel degree: one rank per device entry."""
         return len(self.devices)
 
 

@@ -75,6 +75,9 @@ def _int_list(s: str) -> list[int]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options the user gave on the command line (those left at None omitted, so a
+    ``--config`` file or the engine's defaults decide them), as :class:`EngineConfig` keyword
+    arguments."""
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
             "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "max_model_len",
             "kernels", "cuda_graphs", "pipeline_stages", "pipeline_order", "remote_stages", "master_addr",
@@ -83,12 +86,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def make_engine(args: argparse.Namespace):
+    """An :class:`~swiftspec.engine.llm_engine.Engine` for the parsed ``args`` (model pair, ``--config``,
+    cache directory and :func:`engine_kwargs`); raises what the engine's start raises
+    (``ModelLoadError``, ``EngineError``, ``ValueError``)."""
     from swiftspec.engine.llm_engine import Engine
 
     return Engine(args.target, args.draft, config=args.config, cache_dir=args.cache_dir, **engine_kwargs(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``swiftspec generate``: one completion of ``--prompt`` (or stdin), streamed as text with a
+    metrics line on stderr, or with ``--json`` one JSON object of the output. Returns 0."""
     from swiftspec.model_executor.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -111,24 +119,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """``swiftspec worker``: run a remote pipeline stage (:func:`swiftspec.pipeline.worker.worker_cli`); its exit status."""
     from swiftspec.pipeline.worker import worker_cli
 
     return worker_cli(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``swiftspec bench``: the end-to-end benchmark (:func:`swiftspec.benchmark.e2e.main`); its exit status."""
     from swiftspec.benchmark.e2e import main as bench_main
 
     return bench_main(args=args)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """``swiftspec profile``: choose this machine's configuration (:func:`swiftspec.benchmark.profile.main`); its exit status."""
     from swiftspec.benchmark.profile import main as profile_main
 
     return profile_main(args=args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``swiftspec serve``: the OpenAI-compatible HTTP server on ``--host``:``--port``, serving the
+    engine under ``--served-model-name`` (default: the target's directory name) until interrupted.
+    Returns 0."""
     from swiftspec.entrypoints.server import serve
     from swiftspec.weights.loader import resolve_model
 
@@ -138,6 +152,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
+    """``swiftspec fetch``: download and convert the default model pair into the cache and print
+    their directories as JSON. Returns 0; raises ``ModelLoadError`` when a download or conversion
+    fails."""
     from swiftspec.weights.loader import fetch_default_pair
 
     target, draft = fetch_default_pair(args.cache_dir)
@@ -146,6 +163,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``swiftspec`` command line: the subcommands generate, serve, bench, profile, worker and
+    fetch, each with its options and its ``cmd_*`` function as ``func``."""
     parser = argparse.ArgumentParser(prog="swiftspec", description="Latency-first speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -210,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand ``argv`` (default ``sys.argv[1:]``) names. Returns its exit status; 2 with
+    the message on stderr for a usage, model or engine error (``ValueError``, ``ModelLoadError``,
+    ``EngineError``, ``FileNotFoundError``); 130 on Ctrl-C."""
     args = build_parser().parse_args(argv)
     from swiftspec.engine.llm_engine import EngineError
     from swiftspec.weights.loader import ModelLoadError

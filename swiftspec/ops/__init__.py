@@ -37,6 +37,7 @@ def set_kernels(enabled: bool) -> None:
 
 
 def kernels_enabled() -> bool:
+    """Whether this process dispatches to the compiled kernels (``SWIFTSPEC_KERNELS``, :func:`set_kernels`)."""
     return _state["enabled"]
 
 

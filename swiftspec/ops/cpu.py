@@ -59,6 +59,9 @@ def module_name(flag_bits: int | None = None) -> str:
 
 
 def build_dir(tag: str) -> Path:
+    """The CPU extension's build directory for ``tag`` (created if missing):
+    ``$SWIFTSPEC_CACHE/build/<tag>-<machine>-<hash of the CPU flags>`` (default cache
+    ``~/.cache/swiftspec``), so ``-march=native`` code is never reused on another CPU model."""
     root = Path(os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec"))
     # -march=native code must not be reused on a different CPU model
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]

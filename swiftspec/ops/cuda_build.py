@@ -115,6 +115,13 @@ def nvcc_command(src: Path, out: Path, *, mode: str = "obj", flag_bits: int | No
 def link_command(objects: list[Path], out: Path, local: str | None = None) -> list[str]:
     # --exclude-libs: the static cudart's symbols stay private to this library, so they never
     # interpose on (or get interposed by) the libcudart that torch loads into the same process.
+    """The nvcc command that links ``objects`` into the shared library ``out`` for the architectures
+    of :func:`arch_flags` (``local``: the local GPU's ``sm_XY``). ``--exclude-libs`` keeps the static
+    cudart's symbols private, so they never interpose on the libcudart torch loads.
+
+    Raises:
+        KernelBuildError: no nvcc.
+    """
     return [_require_nvcc(), "-shared", *arch_flags(local), "-Xlinker", "--exclude-libs,ALL",
             *map(str, objects), "-o", str(out)]
 
@@ -139,6 +146,7 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def cache_root() -> Path:
+    """The cache root: ``$SWIFTSPEC_CACHE``, default ``~/.cache/swiftspec``."""
     return Path(os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec"))
 
 

@@ -142,7 +142,14 @@ def available() -> bool:
 
 
 def check_tensor(name: str, t: torch.Tensor, device: torch.device | None = None,
-                  dtypes: tuple | None = None, ndim: int | None = None) -> None:
+                 dtypes: tuple | None = None, ndim: int | None = None) -> None:
+    """Check a kernel argument: a contiguous CUDA tensor, on ``device``, of one of ``dtypes`` and
+    ``ndim`` dimensions where those are given.
+
+    Raises:
+        TypeError: not a tensor. ValueError: another device, dtype, rank or a non-contiguous layout
+        (the message names ``name``).
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cuda":
@@ -158,6 +165,7 @@ def check_tensor(name: str, t: torch.Tensor, device: torch.device | None = None,
 
 
 def stream_handle(device: torch.device) -> ctypes.c_void_p:
+    """The current CUDA stream of ``device`` as the ``cudaStream_t`` the library's calls take."""
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 

@@ -71,6 +71,11 @@ def has_kernel(ggml_type: int) -> bool:
 
 
 def block_values(ggml_type: int) -> int:
+    """Values per quantization block of a ggml type with a kernel (e.g. 256 for Q4_K, 32 for Q8_0).
+
+    Raises:
+        KeyError: a type without a kernel (:func:`has_kernel`).
+    """
     return GGML_TYPES[int(ggml_type)][1]
 
 
