@@ -154,9 +154,12 @@ class ModelRunner:
             self.kv.move(src, dst)
 
     def reset_stats(self) -> None:
+        """Zero the counters :meth:`stats` reports."""
         self.busy_s, self.forward_tokens, self.forwards = 0.0, 0, 0
 
     def stats(self) -> dict:
+        """The counters since the last :meth:`reset_stats`: ``busy_s`` (seconds in forwards: device time
+        on CUDA, wall time on CPU), ``forward_tokens`` (tokens run) and ``forwards`` (forward calls)."""
         return {"busy_s": self.busy_s, "forward_tokens": self.forward_tokens, "forwards": self.forwards}
 
 
@@ -227,9 +230,12 @@ class Launched:
             runner.busy_s += time.perf_counter() - t0
 
     def done(self) -> bool:
+        """Whether the forward has finished (never blocks; on CPU always True)."""
         return self.timing is None or self.timing[1].query()
 
     def result(self):
+        """Wait for the forward and return what :meth:`ModelRunner.forward` returns (copied to the host
+        on CUDA), adding its device time to the runner's ``busy_s`` on the first call."""
         if self.timing is not None:
             start, end = self.timing
             end.synchronize()
@@ -259,6 +265,8 @@ class RunnerHandle:
             c.send(msg)
 
     def forward(self, input_ids, positions, slots, mask, logits_rows=None, head=None):
+        """:meth:`ModelRunner.forward` on every rank of the group (mirrored to the followers first);
+        returns the leader's result."""
         return self.launch(input_ids, positions, slots, mask, logits_rows, head).result()
 
     def launch(self, input_ids, positions, slots, mask, logits_rows=None, head=None) -> Launched:
@@ -267,16 +275,20 @@ class RunnerHandle:
         return self.runner.launch(input_ids, positions, slots, mask, logits_rows, head)
 
     def move_kv(self, src, dst) -> None:
+        """:meth:`ModelRunner.move_kv` (cache slots ``src[j] -> dst[j]``, int64 ``[m]`` each) on every
+        rank of the group; nothing is sent when ``src`` is empty."""
         if len(src):
             self._mirror("move_kv", src, dst)
             self.runner.move_kv(src, dst)
 
     @property
     def cfg(self):
+        """The model's configuration (the leader runner's ``cfg``)."""
         return self.runner.cfg
 
     @property
     def capacity(self) -> int:
+        """The KV cache's capacity in token slots."""
         return self.runner.capacity
 
 

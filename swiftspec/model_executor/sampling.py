@@ -82,6 +82,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether decoding is greedy (``temperature == 0``)."""
         return self.temperature == 0.0
 
 

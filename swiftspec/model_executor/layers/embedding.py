@@ -52,6 +52,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
+        """Copy this rank's rows ``[start, start + shard)`` of the full ``[vocab, hidden]`` table into
+        ``param``; rows past the vocabulary stay zero."""
         n = max(0, min(self.shard, self.vocab_size - self.start))
         param.data.zero_()
         param.data[:n].copy_(loaded[self.start:self.start + n])
@@ -62,6 +64,8 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 token ids ``[n]`` -> ``[n, hidden]`` in the model's dtype; at TP > 1 each rank looks up
+        the ids in its rows (zeros elsewhere) and the group all-reduces."""
         if self.tp.size == 1:
             return self._lookup(ids)
         local = ids - self.start
@@ -92,6 +96,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.int8 = Int8Weight(self.shard, hidden_size, dtype, self.weight_loader)
 
     def forward(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """Hidden states ``h`` ``[n, hidden]`` -> float32 logits ``[n, V]``, ``V = min(limit, vocab)``
+        (``limit`` None: the whole vocabulary); at TP > 1 each rank computes its rows and the group
+        all-gathers them."""
         v = self.vocab_size if limit is None else min(limit, self.vocab_size)
         n_local = max(0, min(self.shard, v - self.start))
         if self.native is not None and n_local == 0:  # a rank past the vocabulary limit

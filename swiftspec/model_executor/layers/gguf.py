@@ -92,6 +92,7 @@ class GGUFWeight(nn.Module):
 
     @property
     def out_features(self) -> int:
+        """Output features: the rows of all parts together."""
         return sum(p.shape[0] for p in self.parts)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -145,5 +146,6 @@ class GGUFWeight(nn.Module):
         return ops.dequantize(raw[ids], t)
 
     def extra_repr(self) -> str:
+        """``in_features``, the rows of each part and their ggml type names, for ``repr``."""
         names = [quant.GGML_TYPES[t][0] for t in self.types]
         return f"in_features={self.in_features}, parts={[p.shape[0] for p in self.parts]}, types={names}"

@@ -154,6 +154,12 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's shard of a checkpoint tensor ``loaded`` (full, unsharded shape) into
+        ``param``; ``shard_id`` names the part of a merged weight. Each subclass implements its split.
+
+        Raises:
+            NotImplementedError: here, on the base class.
+        """
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,6 +178,7 @@ class LinearBase(nn.Module):
         return ops.linear(x, self.weight, bias)
 
     def forward(self, x):
+        """``x @ W.T + b``: ``x`` ``[n, in_local]`` -> ``[n, out_local]`` in ``x``'s dtype (:meth:`matmul`)."""
         return self.matmul(x, self.bias)
 
 
@@ -189,6 +196,7 @@ class ColumnParallelLinear(LinearBase):
                          int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        """Copy this rank's rows of the full ``[out, in]`` weight (or ``[out]`` bias) into ``param``; padded rows are zero."""
         _copy_shard(param.data, loaded, self.out_index, 0)
 
 
@@ -210,6 +218,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                             self.output_sizes, row_index=self.part_index, int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        """Copy this rank's rows of part ``shard_id`` (its full ``[size, in]`` weight or ``[size]``
+        bias) into that part's slice of ``param``."""
         n = self.output_sizes[shard_id]
         off = sum(self.output_sizes[:shard_id])
         _copy_shard(param.data.narrow(0, off, n), loaded, self.part_index[shard_id], 0)
@@ -238,6 +248,9 @@ class QKVParallelLinear(ColumnParallelLinear):
                             row_index=[self.q_index, self.kv_index, self.kv_index], int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        """Copy this rank's heads of the full q, k or v projection (``shard_id`` ``"q"``, ``"k"`` or
+        ``"v"``; ``[heads * head_dim, hidden]`` weight or bias) into its slice of ``param``; padded
+        heads are zero."""
         q = self.q_index.numel()
         kv = self.kv_index.numel()
         off, n, index = {"q": (0, q, self.q_index), "k": (q, kv, self.kv_index),
@@ -267,12 +280,17 @@ class RowParallelLinear(LinearBase):
                          int8=int8)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        """Copy this rank's input columns of the full ``[out, in]`` weight into ``param``; a 1-D tensor
+        (the bias, int8 scales) is copied whole."""
         if param.dim() == 1:  # bias (and int8 scales): not sharded
             param.data.copy_(loaded)
             return
         _copy_shard(param.data, loaded, self.in_index, 1)
 
     def forward(self, x):
+        """``x`` ``[n, in_local]`` -> ``[n, out]`` in ``x``'s dtype, the partial products all-reduced over
+        the group and the bias added once: GGUF blocks sum in float32 and round once; int8 weights
+        all-reduce their product; float weights use the fused GEMM + all-reduce."""
         if self.native is not None and self.tp.size == 1:  # nothing to reduce
             return self.matmul(x, self.bias)
         if self.native is not None:  # float32 partial sums, summed in rank order; one rounding after the bias

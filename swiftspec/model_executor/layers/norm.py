@@ -21,4 +21,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``x`` ``[n, hidden]`` (and ``residual`` of the same shape and dtype, or None) -> ``(y, x +
+        residual)`` (``(y, x)`` without a residual), both in ``x``'s dtype."""
         return ops.rms_norm(x, residual, self.weight, self.eps)
