@@ -123,6 +123,11 @@ class PipelineDecoder:
         self.pool: list[tuple[float, int, int]] = []  # score order: candidates not yet issued
 
     def run(self, req: Request, emit, stop: StopChecker | None = None) -> PipelineStats:
+        """Decode ``req`` through the pipeline until ``stop`` (default: a :class:`StopChecker` of the
+        request) says so: each timestep issues one micro-batch to stage 0, drafts the next while the
+        stages compute, and walks the last stage's logits to verify. Verified tokens go to
+        ``emit(tokens, t, logprobs)`` (``t``: ``time.perf_counter()`` seconds). Returns the request's
+        :class:`PipelineStats`."""
         sampler, stop, st = Sampler(req.params), stop or StopChecker(req), PipelineStats()
         S, n = self.pipe.stages, len(req.prompt_ids)
         self.nodes: list[_Node] = []

@@ -199,10 +199,14 @@ class Stage:
         return out
 
     def stats(self) -> dict:
+        """This stage's counters since :meth:`reset_stats`: ``busy_s`` (seconds computing), ``steps``
+        (timesteps with work), ``cancelled_rows`` (rows pruned on arrival) and ``layers`` ([start,
+        stop) of the target's layers it holds)."""
         return {"busy_s": self.busy_s, "steps": self.steps, "cancelled_rows": self.cancelled_rows,
                 "layers": [self.runner.model.stage.start, self.runner.model.stage.stop]}
 
     def reset_stats(self) -> None:
+        """Zero the counters :meth:`stats` reports."""
         self.busy_s, self.steps, self.cancelled_rows = 0.0, 0, 0
 
 
@@ -240,6 +244,9 @@ class PipelineLeader:
         self._expect = 0
 
     def launch(self, work: list[Work | None], moves=None) -> None:
+        """Start one timestep: broadcast ``work`` (one :class:`Work` or None per stage) and the cache
+        ``moves`` (``(src, dst)`` slot tensors or None) to every stage, then run stage 0's part here.
+        :meth:`collect` then returns the last stage's logits, if this timestep asked for any."""
         broadcast(Control("step", work, moves))
         self.stage.run(work[0], moves)
         last = work[-1]
@@ -418,5 +425,6 @@ class Heartbeat:
         return self.message
 
     def stop(self) -> None:
+        """Stop the watcher thread (waits up to 2 s for it); no loss is reported after this."""
         self._stop.set()
         self._thread.join(2.0)

@@ -44,13 +44,16 @@ class LockedConn:
         self.conn, self.lock = conn, threading.Lock()
 
     def send(self, msg) -> None:
+        """Send ``msg`` (pickled) under the lock, so the two threads' messages never interleave."""
         with self.lock:
             self.conn.send(msg)
 
     def recv(self):
+        """The next message (blocks; only the main thread receives)."""
         return self.conn.recv()
 
     def poll(self, timeout: float = 0.0) -> bool:
+        """Whether a message is waiting, waiting up to ``timeout`` seconds."""
         return self.conn.poll(timeout)
 
 

@@ -63,6 +63,7 @@ class Replay:
         return self.logprobs is not None and self.profile is not None
 
     def rank(self, i: int) -> int | None:
+        """The recorded rank at generated position ``i`` (None: absent, or past the recorded tokens)."""
         return self.ranks[i] if i < len(self.ranks) else None
 
     def child_logprobs(self, root_index: int, path: list[int], k: int) -> list[float] | None:

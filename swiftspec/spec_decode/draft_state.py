@@ -57,6 +57,7 @@ class DraftState:
         self.reset_counters()
 
     def reset_counters(self) -> None:
+        """Zero the counters the metrics report (expansions, stalls, reused KV entries, misses, expansion seconds)."""
         self.expansions = 0
         self.stall_expansions = 0
         self.reused_kv = 0
@@ -78,6 +79,7 @@ class DraftState:
         self.tree = DraftTree(root_token, self.prompt_len, [root_token], p.max_nodes, p.max_cached)
 
     def can_expand(self) -> bool:
+        """Whether one more expansion of ``w`` leaves fits the tree's node and cache caps."""
         return self.tree.can_expand(self.params.w)
 
     def expand(self) -> None:
@@ -117,6 +119,8 @@ class DraftState:
         return torch.tensor(rows, dtype=values.dtype).view_as(values)
 
     def subgraph(self) -> Subgraph:
+        """The next verification batch: the root and the ``bs - 1`` heaviest nodes, ancestor-closed
+        (:meth:`DraftTree.subgraph`; with a replayed trace also each node's children as candidates)."""
         return self.tree.subgraph(self.params.bs, candidates=self.replay is not None)
 
     def reroot(self, verified: list[int]) -> Reroot:

@@ -47,6 +47,12 @@ def _gguf_types(native: dict[str, int] | None, names: list[str]) -> list[int] | 
 
 
 class Attention(nn.Module):
+    """Self-attention of one decoder layer on this TP rank: the fused q/k/v projection (its local
+    query and KV heads, :func:`~swiftspec.model_executor.layers.linear.gqa_head_layout`), tree
+    attention with RoPE fused over the KV cache (:func:`swiftspec.ops.tree_attention`) and the
+    row-parallel o_proj. ``native`` maps weight names to ggml types kept as GGUF blocks; o_proj at
+    TP > 1 falls back to float (listed in ``unsplit``) where its input columns are not whole blocks."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
                  native: dict[str, int] | None = None, int8: bool = False):
         super().__init__()
@@ -67,6 +73,10 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, positions, rope, slots, mask, kv, kv_len=None):
+        """``x`` ``[n, hidden]`` at int64 ``positions`` ``[n]`` -> ``[n, hidden]`` in ``x``'s dtype; the
+        new keys/values are written to int64 ``slots`` ``[n]`` of ``kv`` and each row attends to the
+        cached keys bool ``mask`` ``[n, S]`` allows (``rope``: the cos/sin tables; ``kv_len``: see
+        :meth:`LlamaForCausalLM.forward`)."""
         n = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -80,6 +90,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The SwiGLU MLP of one decoder layer on this TP rank: merged gate/up projection (column
+    parallel) and down_proj (row parallel). At TP > 1 with down_proj on GGUF blocks, the
+    intermediate features split into whole blocks of its type (:func:`block_split`); where that is
+    impossible down_proj falls back to float (listed in ``unsplit``)."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
                  native: dict[str, int] | None = None, int8: bool = False):
         super().__init__()
@@ -99,6 +114,9 @@ class MLP(nn.Module):
                                            in_index=split, gguf_types=down, int8=int8)
 
     def forward(self, x):
+        """``x`` ``[n, hidden]`` -> ``down(SiLU(gate(x)) * up(x))`` ``[n, hidden]`` in ``x``'s dtype: GGUF
+        blocks sum in float32 and round once; float weights use the fused SwiGLU; int8 weights the
+        quantized matmul then SiLU * up."""
         gate_up = self.gate_up_proj
         if gate_up.native is not None:  # fp32 sums, SiLU * up in fp32, one rounding
             return self.down_proj(ops.silu_and_mul(gate_up.native.matmul(x), x.dtype))
@@ -108,6 +126,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: RMSNorm, :class:`Attention`, RMSNorm, :class:`MLP`, with the
+    residual stream carried between layers. Where every linear layer is on GGUF blocks and the CPU
+    twin runs, :meth:`forward` runs the layer as one C++ call (two at TP > 1, each followed by its
+    all-reduce)."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, prefix: str = "",
                  native: dict[str, int] | None = None, int8: bool = False):
         super().__init__()
