@@ -96,6 +96,7 @@ class Autoregressive(DecodeMode):
     name, uses_draft = "autoregressive", False
 
     def run(self, req, emit, stop):
+        """One token per target forward (:func:`~swiftspec.spec_decode.scheduler.run_autoregressive`); returns its ``TargetStats``."""
         return scheduler.run_autoregressive(self.target, req, emit, stop)
 
 
@@ -111,6 +112,7 @@ class ChainProposerMode(DecodeMode):
         raise NotImplementedError
 
     def run(self, req, emit, stop):
+        """Verify :meth:`make_proposer`'s chain each step (:func:`~swiftspec.spec_decode.scheduler.run_chain`); returns its ``TargetStats``."""
         return scheduler.run_chain(self.target, req, emit, self.make_proposer, stop)
 
 
@@ -121,6 +123,7 @@ class Ngram(ChainProposerMode):
     name = "ngram"
 
     def make_proposer(self, ids):
+        """A prompt-lookup proposer (:class:`~swiftspec.spec_decode.ngram.NgramProposer`) over ``ids`` with the request's n-gram parameters."""
         return NgramProposer(self.spec.ngram, ids)
 
 
@@ -136,6 +139,8 @@ class Serial(DecodeMode):
         self.gate = PaybackGate() if spec.draft_payback else None
 
     def run(self, req, emit, stop):
+        """Draft and target take turns on every device (:func:`~swiftspec.spec_decode.scheduler.run_serial`;
+        the payback gate may run the target alone); returns its ``TargetStats``."""
         return scheduler.run_serial(self.draft, self.target, req, emit, stop, self.gate)
 
 
@@ -146,6 +151,7 @@ class Colocated(DecodeMode):
     name = "colocated"
 
     def run(self, req, emit, stop):
+        """Draft and target share one GPU on two streams (:func:`~swiftspec.spec_decode.scheduler.run_colocated`); returns its ``TargetStats``."""
         return scheduler.run_colocated(self.draft, self.target, req, emit, stop)
 
 
@@ -156,6 +162,7 @@ class AsyncTarget(DecodeMode):
     name, uses_draft = "target", False
 
     def run(self, req, emit, stop):
+        """The target leader of the async loop, exchanging subgraphs and verified tokens with the draft group over ``peer`` (:func:`~swiftspec.spec_decode.scheduler.run_async_target`); returns its ``TargetStats``."""
         return scheduler.run_async_target(self.target, req, self.peer, emit, stop)
 
 
@@ -166,4 +173,5 @@ class AsyncDraft(DecodeMode):
     name = "draft"
 
     def run(self, req, emit, stop):
+        """The draft leader of the async loop, growing the tree while the target verifies (:func:`~swiftspec.spec_decode.scheduler.run_async_draft`; verified tokens reach the user through the target, so ``emit`` and ``stop`` are unused); returns its ``DraftStats``."""
         return scheduler.run_async_draft(self.draft, req, self.peer)

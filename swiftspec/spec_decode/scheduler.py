@@ -42,9 +42,17 @@ SERIAL_D = 3
 
 
 class Channel(Protocol):
-    def send(self, obj) -> None: ...
-    def recv(self): ...
-    def poll(self, timeout: float = 0.0) -> bool: ...
+    """The async loops' link between the target and draft leaders (a ``multiprocessing`` pipe end
+    or :class:`swiftspec.pipeline.worker.LockedConn`)."""
+
+    def send(self, obj) -> None:
+        """Send a picklable ``obj`` to the other leader."""
+
+    def recv(self):
+        """The next object from the other leader (blocks)."""
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Whether an object is waiting, waiting up to ``timeout`` seconds."""
 
 
 @dataclass
@@ -112,11 +120,18 @@ class StopChecker:
 
     @property
     def remaining(self) -> int:
+        """Tokens the request may still generate (``max_new`` minus those verified so far)."""
         return self.req.max_new - len(self.ids)
 
 
 @dataclass
 class TargetStats:
+    """The target loop's counters for one request: ``verifications`` (target forwards that verified),
+    ``accepted`` (accepted nodes per verification), ``wait_s`` (seconds waiting for a subgraph),
+    ``reason`` (finish reason: "stop", "length" or "cancelled"), ``trace`` (per-step records when
+    debugging), ``ran`` / ``ran_reason`` (a gated serial request that ran the target alone, and why)
+    and ``step_s`` (that request's target-alone step, seconds)."""
+
     verifications: int = 0
     accepted: list[int] = field(default_factory=list)
     wait_s: float = 0.0  # time the target leader spent waiting for a subgraph
@@ -329,6 +344,11 @@ def run_async_target(target: TargetState, req: Request, to_draft: Channel, emit,
 
 @dataclass
 class DraftStats:
+    """The draft loop's counters for one request: ``expansions`` (draft forwards growing the tree),
+    ``stall_expansions`` (those made after a reroot to refill the tree while the target waited), ``wait_s`` (seconds idle, waiting
+    for verified tokens), ``misses`` (verifications whose verified tokens left the tree), ``reused_kv`` (KV entries
+    kept across verifications) and ``expansion_s`` (seconds in expansions)."""
+
     expansions: int = 0
     stall_expansions: int = 0
     wait_s: float = 0.0  # time the draft leader spent idle, waiting for verified tokens

@@ -135,6 +135,7 @@ class DraftTree:
 
     @property
     def root_token(self) -> int:
+        """The token of the root (the last verified token)."""
         return self.nodes[self.root].token
 
     @property
@@ -144,13 +145,16 @@ class DraftTree:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the node table (a reroot that keeps the tree rebuilds it from the surviving subtree)."""
         return len(self.nodes)
 
     @property
     def root_expanded(self) -> bool:
+        """Whether the root's children have been drafted."""
         return self.nodes[self.root].expanded
 
     def token_of(self, node: int) -> int:
+        """The token of node id ``node``."""
         return self.nodes[node].token
 
     def path_ranks(self, node: int) -> list[int]:

@@ -33,6 +33,7 @@ class VerifyResult:
 
     @property
     def bonus(self) -> int:
+        """The bonus token: the target's own token after the accepted path (the last verified token)."""
         return self.tokens[-1]
 
 

@@ -54,10 +54,12 @@ def default_cache_dir() -> Path:
 
 
 def cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    """``cache_dir`` (``~`` expanded), or :func:`default_cache_dir` when None."""
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
 def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (renames, new files) to disk; best effort: an OS that cannot is ignored."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -71,6 +73,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` to disk.
+
+    Raises:
+        OSError: a file cannot be opened or flushed.
+    """
     for p in root.rglob("*"):
         if p.is_file():
             with open(p, "rb") as f:
@@ -78,6 +85,12 @@ def fsync_tree(root: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a flushed temporary file and ``os.replace``, so a
+    reader sees the old file or the whole new one; the temporary file is removed on failure.
+
+    Raises:
+        OSError: the write or the rename failed.
+    """
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -112,6 +125,12 @@ def remove_stale_tmp_dirs(out_dir: Path) -> None:
 
 
 def install_dir(tmp: Path, out_dir: Path) -> None:
+    """Move the built directory ``tmp`` to ``out_dir``, replacing an existing one (moved aside, then
+    removed), and flush the parent directory.
+
+    Raises:
+        OSError: a rename failed (and ``out_dir`` is not a directory to move aside).
+    """
     try:
         os.replace(tmp, out_dir)  # atomic when out_dir is absent (or an empty directory)
     except OSError:
@@ -140,6 +159,12 @@ def is_complete(out_dir: Path, source_id: str | None = None) -> bool:
 
 
 def source_fingerprint(path: Path) -> str:
+    """``file:<size in bytes>:<mtime in ns>:<absolute path>`` of a source file: a cached conversion of
+    it is stale when this changes.
+
+    Raises:
+        OSError: the file cannot be stat'ed.
+    """
     st = path.stat()
     return f"file:{st.st_size}:{st.st_mtime_ns}:{path.resolve()}"
 
@@ -155,6 +180,8 @@ class TensorPlan:
 
 
 def shard_plans(plans: list[TensorPlan], itemsize: int) -> list[list[TensorPlan]]:
+    """Split ``plans`` in order into shards of at most :data:`MAX_SHARD_BYTES` (4 GiB) each at
+    ``itemsize`` bytes per element (a single larger tensor gets a shard of its own)."""
     shards: list[list[TensorPlan]] = [[]]
     size = 0
     for p in plans:
