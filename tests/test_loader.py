@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
-from swiftspec.weights import default_pair, gguf_convert, loader, model_cache
+from swiftspec.weights import default_pair, gguf_convert, gguf_rope, loader, model_cache
 from swiftspec.weights.loader import ModelLoadError, convert_gguf, resolve_model
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 256  # FFN 256: one Q4_K block per down_proj row
@@ -282,7 +282,7 @@ def test_transformers_loads_converted_dir(qwen2_converted):
 
 @pytest.mark.parametrize("quant", [Q.F32, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
 def test_llama_unpermute_roundtrip(tmp_path, quant):
-    rope = gguf_convert._llama3_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64).astype(np.float32)
+    rope = gguf_rope.llama3_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64).astype(np.float32)
     assert 1.0 < rope.max() and rope.min() == 1.0 and len(set(rope.tolist())) > 2  # all three regimes
     path = tmp_path / "tiny-llama.gguf"
     hf = make_gguf(path, "llama", tied=False, quant=quant, seed=3, rope_freqs=rope)
@@ -308,10 +308,10 @@ def test_llama_unpermute_roundtrip(tmp_path, quant):
 def test_unpermute_is_inverse_of_permute():
     w = torch.randn(KV_HEADS * HEAD_DIM, HIDDEN)
     b = torch.randn(HEADS * HEAD_DIM)
-    assert torch.equal(gguf_convert._unpermute_rope(gguf_convert._permute_rope(w, KV_HEADS), KV_HEADS), w)
-    assert torch.equal(gguf_convert._unpermute_rope(gguf_convert._permute_rope(b, HEADS), HEADS), b)
-    assert torch.equal(gguf_convert._permute_rope(w, KV_HEADS), torch.from_numpy(_permute(w.numpy(), KV_HEADS)))
-    assert not torch.equal(gguf_convert._permute_rope(w, KV_HEADS), w)
+    assert torch.equal(gguf_rope.unpermute_rope(gguf_rope.permute_rope(w, KV_HEADS), KV_HEADS), w)
+    assert torch.equal(gguf_rope.unpermute_rope(gguf_rope.permute_rope(b, HEADS), HEADS), b)
+    assert torch.equal(gguf_rope.permute_rope(w, KV_HEADS), torch.from_numpy(_permute(w.numpy(), KV_HEADS)))
+    assert not torch.equal(gguf_rope.permute_rope(w, KV_HEADS), w)
 
 
 @pytest.mark.parametrize("base,dim,factor,ctx", [(500000.0, 128, 8.0, 8192), (500000.0, 64, 32.0, 8192),
@@ -319,20 +319,20 @@ def test_unpermute_is_inverse_of_permute():
                                                   (10000.0, 128, 4.0, 4096), (1e6, 16, 8.0, 8192)])
 def test_llama3_rope_scaling_recovered_from_rope_freqs(base, dim, factor, ctx):
     """Llama 3.1 (8x), 3.2 (32x) and small/odd cases: band with >=2 points, one point, a bare step."""
-    freqs = gguf_convert._llama3_rope_factors(base, dim, factor, 1.0, 4.0, ctx).astype(np.float32)
-    assert gguf_convert._infer_llama3_rope_scaling(freqs, base, dim) == {
+    freqs = gguf_rope.llama3_rope_factors(base, dim, factor, 1.0, 4.0, ctx).astype(np.float32)
+    assert gguf_rope.infer_llama3_rope_scaling(freqs, base, dim) == {
         "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": ctx}
-    assert gguf_convert._infer_llama3_rope_scaling(np.ones(dim // 2, np.float32), base, dim) == {}
+    assert gguf_rope.infer_llama3_rope_scaling(np.ones(dim // 2, np.float32), base, dim) == {}
     with pytest.raises(ModelLoadError, match="rope_freqs"):
-        gguf_convert._infer_llama3_rope_scaling(np.linspace(1, 3, dim // 2)[::-1].copy(), base, dim)
+        gguf_rope.infer_llama3_rope_scaling(np.linspace(1, 3, dim // 2)[::-1].copy(), base, dim)
 
 
 def test_transformers_loads_converted_llama(tmp_path):
     """config.json (incl. llama3 rope_scaling, untied head) is accepted by transformers' LlamaConfig."""
     from transformers import AutoModelForCausalLM
 
-    rope = gguf_convert._llama3_rope_factors(10000.0, HEAD_DIM, 32.0, 1.0, 4.0, 64).astype(np.float32)
+    rope = gguf_rope.llama3_rope_factors(10000.0, HEAD_DIM, 32.0, 1.0, 4.0, 64).astype(np.float32)
     path = tmp_path / "l.gguf"
     hf = make_gguf(path, "llama", tied=False, quant=Q.F32, seed=5, rope_freqs=rope)
     out = convert_gguf(path, tmp_path / "l", dtype=torch.float32, tokenizer=False)
