@@ -5,7 +5,11 @@ import pytest
 
 from swiftspec.benchmark.records import load_prompts
 from swiftspec.benchmark.report import bar_chart, markdown, overall, summarize
-from swiftspec.benchmark.weight_memory import InsufficientMemoryError, check_memory, weight_bytes
+from swiftspec.benchmark.weight_memory import (
+    InsufficientMemoryError,
+    check_memory,
+    weight_bytes,
+)
 
 
 def _rec(system, ds, tps, cr=1.0, match=True):

@@ -36,10 +36,26 @@ import time
 from pathlib import Path
 
 from swiftspec.benchmark import replay
-from swiftspec.benchmark.records import DATASETS, busy_record, load_prompts, machine_record, pipeline_record
+from swiftspec.benchmark.records import (
+    DATASETS,
+    busy_record,
+    load_prompts,
+    machine_record,
+    pipeline_record,
+)
 from swiftspec.benchmark.report import bar_chart, markdown
-from swiftspec.benchmark.systems import SYSTEMS, EngineSystem, expand_systems, reference_system, start_system
-from swiftspec.benchmark.weight_memory import available_memory_bytes, check_memory, weight_bytes
+from swiftspec.benchmark.systems import (
+    SYSTEMS,
+    EngineSystem,
+    expand_systems,
+    reference_system,
+    start_system,
+)
+from swiftspec.benchmark.weight_memory import (
+    available_memory_bytes,
+    check_memory,
+    weight_bytes,
+)
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
