@@ -133,7 +133,7 @@ class Serial(DecodeMode):
 
     def __init__(self, spec, target, draft, peer=None):
         super().__init__(spec, target, draft, peer)
-        self.gate = PaybackGate() if spec.draft_payback else None
+        self.gate = PaybackGate() if spec.config.draft_payback else None
 
     def run(self, req, emit, stop):
         return scheduler.run_serial(self.draft, self.target, req, emit, stop, self.gate)
