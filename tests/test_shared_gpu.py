@@ -15,6 +15,7 @@ import torch
 from ranks import report, spawn_ranks
 
 from swiftspec.distributed.parallel import PROBE, TPContext, graph_ban
+from swiftspec.engine.config import EngineConfig
 from swiftspec.engine.worker import WorkerSpec, decode_graph_sizes, graph_buckets, ready_info
 
 
@@ -41,10 +42,10 @@ def test_graph_ban_is_lifted_only_for_the_cuda_ll_communicator():
     assert TPContext(size=2, control="nccl").comm_backend == "nccl"
 
 
-def _spec(**kw):
-    return WorkerSpec(**{"rank": 0, "world_size": 2, "port": 1, "groups": [[0, 1]], "group": 0,
-                         "models": {"target": "T"}, "kind": "autoregressive", "device": "cuda:0",
-                         "cuda_graphs": True, **kw})
+def _spec(cuda_graphs=True, **kw):
+    return WorkerSpec(**{"config": EngineConfig(cuda_graphs=cuda_graphs), "rank": 0, "world_size": 2, "port": 1,
+                         "groups": [[0, 1]], "group": 0, "models": {"target": "T"}, "kind": "autoregressive",
+                         "device": "cuda:0", **kw})
 
 
 def test_worker_captures_graphs_at_tp2_only_on_ll():

@@ -277,21 +277,13 @@ class Engine:
             follower_pipes = [ctx.Pipe() for _ in range(group.tp - 1)]
             handed_over += [c for pair in follower_pipes for c in pair]
             for j, r in enumerate(groups[gi]):
-                spec = WorkerSpec(rank=r, world_size=world, port=port, groups=groups, group=gi, models=models,
-                                  kind=kind, decode_mode=None if kind == "stage" or self.config.pipeline_stages > 1
-                                  else mode_for(kind), cores=group.cores[j], threads=len(group.cores[j]), dtype=dtype,
-                                  device=group.devices[j],
-                                  max_model_len=self.config.max_model_len, tree=self.config.tree_params(),
-                                  ngram=self.config.ngram_params(),
-                                  draft_vocab=self.config.draft_logits_vocab(self.vocab_limit),
-                                  draft_quant=draft_quant,
-                                  kernels=self.config.kernels, cuda_graphs=self.config.cuda_graphs,
-                                  weights=self.config.weights,
-                                  tokenizer_file=tok_file, stages=len(layout) if pipelined else 1,
-                                  stage_layers=stage_layers, pipeline_order=self.config.pipeline_order,
-                                  master_addr=self.config.master_addr,
-                                  start_timeout_s=self.config.start_timeout_s,
-                                  draft_payback=self.config.draft_payback, draft_sms=self.config.draft_sms,
+                spec = WorkerSpec(config=self.config, rank=r, world_size=world, port=port, groups=groups, group=gi,
+                                  models=models, kind=kind,
+                                  decode_mode=None if kind == "stage" or pipelined else mode_for(kind),
+                                  cores=group.cores[j], threads=len(group.cores[j]), device=group.devices[j],
+                                  dtype=dtype, draft_vocab=self.config.draft_logits_vocab(self.vocab_limit),
+                                  draft_quant=draft_quant, tokenizer_file=tok_file,
+                                  stages=len(layout) if pipelined else 1, stage_layers=stage_layers,
                                   world_devices=world_devices)
                 parent, child = ctx.Pipe()
                 if j == 0:

@@ -10,11 +10,12 @@ the process exits, so the engine can raise it instead of hanging.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
 
+from swiftspec.engine.config import EngineConfig
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.modes import mode_for
@@ -23,9 +24,16 @@ from swiftspec.spec_decode.ngram import NgramParams
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs, picklable for the ``spawn`` start method.
+    """One worker's place in the engine, with the engine's configuration whole (nano-vllm's
+    ``ModelRunner(config, rank, event)``); picklable for the ``spawn`` start method.
+
+    The configuration's own fields (``max_model_len``, ``kernels``, ``cuda_graphs``, ``weights``,
+    ``draft_payback``, ``draft_sms``, ``pipeline_order``, ``master_addr``, ``start_timeout_s``, the
+    tree and n-gram parameters) are read from ``config``; this class holds only what the engine
+    resolved for this rank.
 
     Attributes:
+        config: the engine's :class:`swiftspec.engine.config.EngineConfig`, whole.
         rank, world_size, port: torch.distributed world (port 0 = no world needed).
         groups: TP groups as lists of global ranks (the same list in every worker).
         group: index of this worker's group in ``groups``.
@@ -35,9 +43,7 @@ class WorkerSpec:
             "pipeinfer" / "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.stages.serve_stage`).
         stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
-            decoder layers ``(start, stop)`` of every stage (the leader's plan); master_addr: the
-            rendezvous host (``port`` its port); start_timeout_s: how long to wait for the stages;
-            pipeline_order: pipedec's "layer" or "score" order (:mod:`swiftspec.pipeline.decode`).
+            decoder layers ``(start, stop)`` of every stage (the leader's plan).
         cores: CPU cores to pin to (None = leave the affinity alone); threads: intra-op threads.
         device: where this rank's model shards, KV caches and step inputs live: "cpu" or
             "cuda:K" (:mod:`swiftspec.engine.placement`); it also picks the collective backend.
@@ -48,21 +54,15 @@ class WorkerSpec:
         world_devices: the device of every global rank (``world_size`` entries; None: each rank
             on its own device): ranks of one group sharing a GPU make the control plane gloo and
             the collectives LL kernels (:func:`swiftspec.distributed.parallel.init_world`).
-        dtype: "float32" or "bfloat16".
-        max_model_len: context length in tokens; tree: draft tree parameters; ngram: the "ngram"
-            mode's proposal shape.
+        dtype: "float32" or "bfloat16" (``config.dtype`` with "auto" resolved).
         draft_vocab: the draft proposes only ids ``[0, draft_vocab)`` (ids the target knows too,
             optionally fewer: the most frequent ones).
-        draft_quant: "int8" or None: weight-only quantization of the draft model.
-        kernels: use the compiled latency kernels and the shared-memory all-reduce (swiftspec.ops).
-        weights: "native", "bfloat16" or "float32" (see :func:`swiftspec.model_executor.models.llama.load_model`).
-        draft_payback: serial mode: a :class:`swiftspec.spec_decode.payback.PaybackGate` decides per request
-            whether the draft prefills (else the request runs on the target alone).
-        draft_sms: colocated mode on CUDA: the draft's stream lives in a green context of this
-            many SMs (``ModelRunner(sm_count=...)``); the target keeps the whole GPU. None: no
-            partition.
+        draft_quant: "int8" or None: weight-only quantization of the draft model (None on CUDA,
+            which has no int8 kernel).
+        tokenizer_file: the target's ``tokenizer.json`` (stop strings are matched on its text).
     """
 
+    config: EngineConfig
     rank: int
     world_size: int
     port: int
@@ -74,24 +74,23 @@ class WorkerSpec:
     threads: int = 1
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "native"
-    max_model_len: int = 4096
-    tree: TreeParams = field(default_factory=TreeParams)
-    ngram: NgramParams = field(default_factory=NgramParams)
     draft_vocab: int | None = None
     draft_quant: str | None = None
-    kernels: bool = True
-    cuda_graphs: bool = False
     tokenizer_file: str | None = None
     stages: int = 1
     stage_layers: list[tuple[int, int]] | None = None
-    pipeline_order: str = "layer"
-    master_addr: str = "127.0.0.1"
-    start_timeout_s: float = 600.0
-    draft_payback: bool = False
-    draft_sms: int | None = None
     world_devices: list[str] | None = None
     decode_mode: type | None = None
+
+    @property
+    def tree(self) -> TreeParams:
+        """The draft tree's shape (``config.tree_params()``)."""
+        return self.config.tree_params()
+
+    @property
+    def ngram(self) -> NgramParams:
+        """The "ngram" mode's proposal shape (``config.ngram_params()``)."""
+        return self.config.ngram_params()
 
     @property
     def verify_rows(self) -> int:
@@ -100,6 +99,7 @@ class WorkerSpec:
 
     @property
     def is_leader(self) -> bool:
+        """Whether this rank leads its TP group (the group's first global rank)."""
         return self.rank == self.groups[self.group][0]
 
 
@@ -121,7 +121,7 @@ def decode_graph_sizes(spec: WorkerSpec, tp, role: str) -> list[int] | None:
     communicator only). ``tp``: this rank's :class:`swiftspec.distributed.parallel.TPContext`."""
     from swiftspec.distributed.parallel import graph_ban
 
-    if not spec.cuda_graphs or torch.device(spec.device).type != "cuda" or graph_ban(tp) is not None:
+    if not spec.config.cuda_graphs or torch.device(spec.device).type != "cuda" or graph_ban(tp) is not None:
         return None
     return graph_buckets(spec.verify_rows if role == ROLE_TARGET else 2 * spec.tree.bs)
 
@@ -139,7 +139,7 @@ def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
     """
     from swiftspec.distributed.parallel import graph_ban
 
-    ban = graph_ban(tp) if spec.cuda_graphs and torch.device(spec.device).type == "cuda" else None
+    ban = graph_ban(tp) if spec.config.cuda_graphs and torch.device(spec.device).type == "cuda" else None
     epochs = None
     if tp.shm is not None:
         e = tp.shm.epoch  # a method on CUDA (it reads device memory), a property on CPU
@@ -152,8 +152,8 @@ def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
 
 def _capacity(spec: WorkerSpec, role: str) -> int:
     if role == ROLE_TARGET:  # room for a verification batch past the context
-        return spec.max_model_len + spec.verify_rows
-    return spec.max_model_len + spec.tree.max_cached + spec.tree.w
+        return spec.config.max_model_len + spec.verify_rows
+    return spec.config.max_model_len + spec.tree.max_cached + spec.tree.w
 
 
 def _setup(spec: WorkerSpec):
@@ -163,13 +163,13 @@ def _setup(spec: WorkerSpec):
     from swiftspec.model_executor.runner import ModelRunner
 
     pin(spec)
-    ops.set_kernels(spec.kernels)
+    ops.set_kernels(spec.config.kernels)
     device = torch.device(spec.device)
     if device.type == "cuda":  # before the process group: NCCL binds to the current device
         torch.cuda.set_device(device)
     tp = LOCAL
     if spec.port:
-        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.kernels,
+        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.config.kernels,
                         device_type=device.type, devices=spec.world_devices)[spec.group]
     dtype = getattr(torch, spec.dtype)
     runners = {}
@@ -177,12 +177,12 @@ def _setup(spec: WorkerSpec):
         extra = dict(quant=spec.draft_quant, logits_vocab=spec.draft_vocab) if role == ROLE_DRAFT else {}
         if spec.kind == "colocated":  # a CUDA stream per model, the target's verification first
             extra["stream_priority"] = -1 if role == ROLE_TARGET else 0
-            if role == ROLE_DRAFT and spec.draft_sms is not None:  # the draft on its share of the SMs
-                extra["sm_count"] = spec.draft_sms
+            if role == ROLE_DRAFT and spec.config.draft_sms is not None:  # the draft on its share of the SMs
+                extra["sm_count"] = spec.config.draft_sms
         sizes = decode_graph_sizes(spec, tp, role)  # TP > 1: only LL collectives are captured
         if sizes:
             extra["graph_sizes"] = sizes
-        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.weights, device=device,
+        runners[role] = ModelRunner(path, tp, dtype, _capacity(spec, role), weights=spec.config.weights, device=device,
                                     **extra)
     return runners, tp
 

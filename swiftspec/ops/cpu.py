@@ -32,9 +32,13 @@ class KernelBuildError(RuntimeError):
     """The CPU twins could not be compiled or loaded (the message holds the compiler output)."""
 
 
-def sources() -> list[Path]:
-    """The C++ sources of the CPU extension, registration file last."""
+def sources(flag_bits: int | None = None) -> list[Path]:
+    """The C++ sources of the CPU extension, registration file last; for a build with
+    ``flag_bits`` (the LL flag wrap-around test module) the shared-memory communicator's alone,
+    the only code whose behaviour the flag width changes (a full build takes minutes)."""
     cpu = CSRC / "cpu"
+    if flag_bits is not None:
+        return [cpu / "shm_comm.cpp", cpu / "registration.cpp"]
     files = sorted(p for p in cpu.glob("*.cpp") if p.name != "registration.cpp")
     return files + [cpu / "registration.cpp"]
 
@@ -85,7 +89,8 @@ def load(flag_bits: int | None = None, verbose: bool = False):
     """The compiled extension module.
 
     Args:
-        flag_bits: build with ``-DSWIFTSPEC_LL_FLAG_BITS=flag_bits`` (a separate module; tests use
+        flag_bits: build with ``-DSWIFTSPEC_LL_FLAG_BITS=flag_bits`` (a separate module holding
+            only ``ShmComm``, :func:`sources`; tests use
             2 so LL flags wrap around every 3 calls). None: the production 32-bit flags.
         verbose: show the compiler's output.
 
@@ -95,14 +100,14 @@ def load(flag_bits: int | None = None, verbose: bool = False):
     from torch.utils import cpp_extension
 
     name = module_name(flag_bits)
-    defines = [] if flag_bits is None else [f"-DSWIFTSPEC_LL_FLAG_BITS={flag_bits}"]
+    defines = [] if flag_bits is None else [f"-DSWIFTSPEC_LL_FLAG_BITS={flag_bits}", "-DSWIFTSPEC_SHM_COMM_ONLY"]
     cflags = ["-O3", f"-march={march()}", "-fopenmp", "-Wall", "-Wno-unused-function", *defines]
     bdir = build_dir(name)
     try:
         with _exclusive(bdir / "swiftspec.flock", timeout_s=1800):
             (bdir / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed process
             return cpp_extension.load(
-                name=name, sources=[str(p) for p in sources()],
+                name=name, sources=[str(p) for p in sources(flag_bits)],
                 extra_include_paths=[str(CSRC / "include")], extra_cflags=cflags,
                 extra_ldflags=["-fopenmp", "-lrt"], build_directory=str(bdir), verbose=verbose)
     except Exception as e:  # compiler errors surface as RuntimeError / CalledProcessError / ImportError

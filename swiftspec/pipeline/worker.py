@@ -94,9 +94,9 @@ def lead(spec, engine: Connection) -> None:
     from swiftspec.spec_decode import scheduler
     from swiftspec.spec_decode.scheduler import text_decoder
 
-    plan = StagePlan(spec.stage_layers, spec.dtype, spec.weights, spec.kernels, spec.max_model_len, spec.tree.w, "")
-    plan, runners, peers, store = setup(LEADER, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET],
-                                        spec.models.get(ROLE_DRAFT), plan, spec.start_timeout_s, spec.draft_quant,
+    plan = StagePlan(spec.stage_layers, spec.dtype, spec.config.weights, spec.config.kernels, spec.config.max_model_len, spec.tree.w, "")
+    plan, runners, peers, store = setup(LEADER, spec.stages, spec.config.master_addr, spec.port, spec.models[ROLE_TARGET],
+                                        spec.models.get(ROLE_DRAFT), plan, spec.config.start_timeout_s, spec.draft_quant,
                                         spec.draft_vocab)
     engine = LockedConn(engine)
     beat = Heartbeat(store, LEADER, peers, lambda msg: _die(engine, msg))
@@ -104,7 +104,7 @@ def lead(spec, engine: Connection) -> None:
     target = runners[ROLE_TARGET]
     pipe = PipelineLeader(Stage(target, LEADER, spec.stages))
     loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity,
-                           spec.pipeline_order)
+                           spec.config.pipeline_order)
     decode = text_decoder(spec.tokenizer_file)
     try:
         while True:
@@ -208,5 +208,5 @@ def stage_main(spec, engine: Connection, followers: list, leader, peer) -> None:
             lead(spec, engine)
         else:
             conn = LockedConn(engine)
-            follow(spec.rank, spec.stages, spec.master_addr, spec.port, spec.models[ROLE_TARGET], spec.start_timeout_s,
+            follow(spec.rank, spec.stages, spec.config.master_addr, spec.port, spec.models[ROLE_TARGET], spec.config.start_timeout_s,
                    lambda msg: _die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))

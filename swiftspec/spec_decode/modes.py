@@ -136,7 +136,7 @@ class Serial(DecodeMode):
 
     def __init__(self, spec, target, draft, peer=None):
         super().__init__(spec, target, draft, peer)
-        self.gate = PaybackGate() if spec.draft_payback else None
+        self.gate = PaybackGate() if spec.config.draft_payback else None
 
     def run(self, req, emit, stop):
         """Draft and target take turns on every device (:func:`~swiftspec.spec_decode.scheduler.run_serial`;
