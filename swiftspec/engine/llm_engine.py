@@ -79,6 +79,9 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
+        """The output as a JSON-able dict (what ``swiftspec generate --json`` prints): text, token
+        ids, finish reason, mode, compression ratio, tokens/s, TTFT and time between tokens in
+        seconds, the full metrics, and the log-probabilities (natural log) where they were asked for."""
         m = self.metrics
         return {"text": self.text, "token_ids": self.token_ids, "num_tokens": len(self.token_ids),
                 "finish_reason": self.finish_reason, "mode": m.mode, "compression_ratio": m.compression_ratio,
