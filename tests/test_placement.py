@@ -1,6 +1,7 @@
 """Device placement (swiftspec.engine.placement): device resolution, GPU splits, groups, the collective
 backend, and the engine's configuration errors. GPU machines are simulated where only the
 count of devices matters; nothing here needs CUDA."""
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -126,6 +127,24 @@ def test_a_core_named_by_both_groups_is_one_core():
     stages = plan_groups(_cfg(mode="pipedec", pipeline_stages=2, target_cores=[0, 1], draft_cores=[1]),
                          "cpu", "T", "D", [0, 1])
     assert [s.cores for s in stages] == [[[0]], [[1]]]
+
+
+def _pinned_threads(cores: list[int], threads: int) -> tuple[set[int], int]:
+    from swiftspec.engine.worker import WorkerSpec, pin
+
+    pin(WorkerSpec(rank=0, world_size=1, port=0, groups=[[0]], group=0, models={}, kind="serial", cores=cores,
+                   threads=threads))
+    return os.sched_getaffinity(0), torch.get_num_threads()
+
+
+def test_pin_runs_no_more_threads_than_cores():
+    """A worker asked for more intra-op threads than the cores it may use runs one per core."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        assert pool.submit(_pinned_threads, [0], 2).result(timeout=120) == ({0}, 1)
+        assert pool.submit(_pinned_threads, [0], 1).result(timeout=120) == ({0}, 1)
 
 
 def test_plan_groups_cuda():
