@@ -12,7 +12,8 @@ Every record kind the benchmarks write is recognised by its shape:
 * ``bench/accuracy.py --out``: top-1 agreement and mean KL against llama.cpp;
 * ``swiftspec generate --json`` (the README command): one line;
 * ``bench/server_load.py soak|overhead --out``: the soak's counts, memory and restart, or the
-  server's added TTFT and tokens/s ratio against direct engine calls.
+  server's added TTFT and tokens/s ratio against direct engine calls;
+* ``bench/shared_core.py --out`` (one run, or several under ``runs``): tokens/s per core layout.
 
 Generated blocks: in README.md and bench/RESULTS.md every measured number stands between two
 markers that name what produced it, ``KIND FILE [FILE ...]`` (files under bench/results/)::
@@ -132,8 +133,26 @@ def render(record) -> str:
         lines += [f"| {r['rows']} | {r['huge_min_ms']:.1f} | {r['huge_median_ms']:.1f} | {r['4k_min_ms']:.1f} | "
                   f"{r['4k_median_ms']:.1f} | {r['speedup_min']:.3f}x | {r['speedup_median']:.3f}x |" for r in record["results"]]
         return "\n".join(lines)
+    if isinstance(record, dict) and "layout" in (record.get("runs") or [record])[0].get("rows", [{}])[0]:
+        return _shared_core(record)
     raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
-                     "bench/accuracy.py, bench/huge_pages.py, swiftspec generate --json or bench/server_load.py")
+                     "bench/accuracy.py, bench/huge_pages.py, bench/shared_core.py, swiftspec generate --json or "
+                     "bench/server_load.py")
+
+
+def _shared_core(record: dict) -> str:
+    """bench/shared_core.py: median tokens/s of each layout per run (a record of several runs holds
+    them under ``runs``), and each serial rep's time over "autoregressive plus the draft's cost"."""
+    runs = record.get("runs", [record])
+    layouts = [r["layout"] for r in runs[0]["rows"]]
+    lines = ["| run | " + " | ".join(f"{name} tokens/s" for name in layouts)
+             + " | serial-shared / (autoregressive + draft) |", "|---|" + "---|" * (len(layouts) + 1)]
+    for i, run in enumerate(runs, 1):
+        rows = {r["layout"]: r for r in run["rows"]}
+        ratio = rows.get("serial-shared", {}).get("vs_autoregressive_plus_draft")
+        lines.append(f"| {i} | " + " | ".join(f"{rows[name]['median_tokens_per_s']:.1f}" for name in layouts)
+                     + f" | {', '.join(f'{x:.2f}' for x in ratio) if ratio else '-'} |")
+    return "\n".join(lines)
 
 
 def _device_forward(record: dict, capacity: set) -> str:

@@ -36,6 +36,17 @@ def test_modes_equal_autoregressive(tiny_dir, tiny_draft_dir, reference, mode):
     assert not any(pid_alive(p) for p in pids), "close() must leave no process behind"
 
 
+def test_groups_sharing_a_core(tiny_dir, tiny_draft_dir, reference):
+    """Target and draft both on core 0 (the tests' layout, and a 1-CPU machine's): one process with
+    one intra-op thread (two would spin-wait for each other on the core), the target's tokens."""
+    with Engine(tiny_dir, tiny_draft_dir, mode="serial", dtype="float32", target_cores=[0], draft_cores=[0]) as eng:
+        out = eng.generate(PROMPT, GREEDY)
+        (w,) = eng.workers
+        assert os.sched_getaffinity(w["pid"]) == {0}
+    assert w["threads"] == 1 and w["kind"] == "serial"
+    assert out.token_ids == reference.token_ids and out.metrics.mode == "serial"
+
+
 def test_draft_payback_per_request(tiny_dir, tiny_draft_dir, reference):
     """With the gate on (the default under mode="auto"), a serial engine speculates until it has
     measured the draft's prefill (not from its first request), then runs a request whose budget

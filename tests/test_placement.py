@@ -1,6 +1,7 @@
 """Device placement (swiftspec.engine.placement): device resolution, GPU splits, groups, the collective
 backend, and the engine's configuration errors. GPU machines are simulated where only the
 count of devices matters; nothing here needs CUDA."""
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,8 @@ import torch.distributed as dist
 from swiftspec import Engine
 from swiftspec.distributed.parallel import backend_for, control_backend, shares_gpu
 from swiftspec.engine import llm_engine as engine
-from swiftspec.engine.placement import PlacementError, plan_groups, resolve_device, split_cores, split_gpus
+from swiftspec.engine.placement import (PlacementError, plan_groups, resolve_device, split_cores, split_gpus,
+                                       union_cores)
 
 
 def _cuda_visible(monkeypatch, n: int):
@@ -109,6 +111,40 @@ def test_plan_groups_cpu():
         plan_groups(_cfg(mode="async"), "cpu", "T", "D", [0])
     with pytest.raises(PlacementError, match="disjoint"):
         plan_groups(_cfg(mode="async", target_cores=[0], draft_cores=[0]), "cpu", "T", "D", [0, 1])
+
+
+def test_a_core_named_by_both_groups_is_one_core():
+    """serial / colocated / pipeline groups run on the union of the two core lists: a core in both
+    is one core, so one intra-op thread (two would spin-wait for each other on it)."""
+    assert union_cores([0], [0], [0, 1]) == [0]
+    assert union_cores([2, 0], [0, 3], [0, 1, 2, 3]) == [2, 0, 3]
+    assert union_cores(None, None, [0, 1]) == [0, 1] and union_cores([1], [], [0, 1]) == [1]
+    for mode in ("serial", "colocated", "autoregressive"):
+        (g,) = plan_groups(_cfg(mode=mode, target_cores=[0], draft_cores=[0]), "cpu", "T", "D", [0, 1])
+        assert g.cores == [[0]], mode
+    (g,) = plan_groups(_cfg(target_cores=[0], draft_cores=[0], target_tp=2), "cpu", "T", "D", [0, 1])
+    assert g.cores == [[0], [0]]  # two ranks share the core, one thread each
+    stages = plan_groups(_cfg(mode="pipedec", pipeline_stages=2, target_cores=[0, 1], draft_cores=[1]),
+                         "cpu", "T", "D", [0, 1])
+    assert [s.cores for s in stages] == [[[0]], [[1]]]
+
+
+def _pinned_threads(cores: list[int], threads: int) -> tuple[set[int], int]:
+    from swiftspec.engine.worker import WorkerSpec, pin
+
+    pin(WorkerSpec(rank=0, world_size=1, port=0, groups=[[0]], group=0, models={}, kind="serial", cores=cores,
+                   threads=threads))
+    return os.sched_getaffinity(0), torch.get_num_threads()
+
+
+def test_pin_runs_no_more_threads_than_cores():
+    """A worker asked for more intra-op threads than the cores it may use runs one per core."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        assert pool.submit(_pinned_threads, [0], 2).result(timeout=120) == ({0}, 1)
+        assert pool.submit(_pinned_threads, [0], 1).result(timeout=120) == ({0}, 1)
 
 
 def test_plan_groups_cuda():

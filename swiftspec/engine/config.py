@@ -68,7 +68,7 @@ class EngineConfig:
             (NCCL refuses it; :func:`swiftspec.distributed.parallel.control_backend`). Default: the draft gets
             the last ⌈n/4⌉ GPUs.
         target_cores / draft_cores: CPU cores of each group (async); serial and autoregressive
-            use ``target_cores + draft_cores``. Default: the draft gets a quarter (at least one).
+            use their union (a core in both lists counts once). Default: the draft gets a quarter (at least one).
             On CUDA the host cores of the group's processes.
         target_tp / draft_tp: TP degree (processes) of each group; a group's cores are split
             evenly among its ranks, each running that many threads. On CUDA 1 (one rank per

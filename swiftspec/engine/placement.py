@@ -175,6 +175,21 @@ def split_cores(cores: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+def union_cores(target_cores: list[int] | None, draft_cores: list[int] | None, cores: list[int]) -> list[int]:
+    """The cores of a group holding both models' work (serial, colocated, a pipeline's stages, or
+    autoregressive given both lists): ``target_cores`` then ``draft_cores``, each core once, in that
+    order; ``cores`` (all this process may use) when neither is given.
+
+    A core named in both lists is one core. Counted twice, it would get two intra-op threads (a rank
+    runs one per core), and the OpenMP thread that finishes its share of an op spin-waits
+    (libgomp's default wait policy) on the core its sibling needs to finish: on one shared core
+    an elementwise op measured ~45x slower with two threads than with one (bench/LOG.md).
+    """
+    if not (target_cores or draft_cores):
+        return list(cores)
+    return list(dict.fromkeys([*(target_cores or []), *(draft_cores or [])]))
+
+
 def plan_groups(config, device: str, target: str, draft: str | None, cores: list[int],
                 n_gpus: int = 0) -> list[Group]:
     """The engine's device groups for ``config`` (an :class:`swiftspec.engine.llm_engine.EngineConfig` whose
@@ -185,7 +200,7 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
     Pipeline modes (``pipeline_stages`` S >= 2): S groups of one process, stage 0 (the leader,
     holding the draft too) then "stage" groups, the cores split among them; CPU only.
     CPU: the async groups get ``target_cores`` / ``draft_cores`` (default: the draft a quarter of
-    the cores, at least one), the single group ``target_cores + draft_cores`` (default all), each
+    the cores, at least one), the single group their union (:func:`union_cores`; default all), each
     split among the group's ``*_tp`` ranks. CUDA: the GPUs of :func:`split_gpus`, one rank per
     entry (or ``*_tp`` ranks spread over them, :func:`gpu_group`); the cores are the ranks' host
     cores and may be shared.
@@ -201,7 +216,7 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
     if c.pipeline_stages > 1:  # stage 0 leads (with the draft), each later stage follows it
         if device != "cpu":
             raise PlacementError("pipeline stages run on CPU only (not built for CUDA yet)")
-        chosen = list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores
+        chosen = union_cores(t_cores, d_cores, cores)
         models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if draft is not None else {})}
         return [Group(c.mode if s == 0 else "stage", models if s == 0 else {ROLE_TARGET: target}, [cc], ["cpu"])
                 for s, cc in enumerate(split_cores(chosen, c.pipeline_stages))]
@@ -219,8 +234,7 @@ def plan_groups(config, device: str, target: str, draft: str | None, cores: list
                  (ROLE_DRAFT, {ROLE_DRAFT: draft}, list(d_cores), c.draft_tp)]
     else:
         models = {ROLE_TARGET: target, **({ROLE_DRAFT: draft} if uses_draft(c.mode) else {})}
-        parts = [(c.mode, models, list(t_cores or []) + list(d_cores or []) if (t_cores or d_cores) else cores,
-                  c.target_tp)]
+        parts = [(c.mode, models, union_cores(t_cores, d_cores, cores), c.target_tp)]
     if device == "cpu":
         return [Group(kind, m, split_cores(cc, tp), ["cpu"] * tp) for kind, m, cc, tp in parts]
     gpus = split_gpus(n_gpus, c.target_devices, c.draft_devices, c.mode == "async")

@@ -131,8 +131,8 @@ def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
     collective path and how many CUDA graphs it used.
 
     Keys: ``pid``; ``kind``, ``rank`` (global), ``group_rank``, ``tp`` (group size); ``device``
-    ("cpu" / "cuda:K"); ``comm_backend`` (:attr:`swiftspec.distributed.parallel.TPContext.comm_backend`:
-    "local", "ll", "shm", "gloo" or "nccl"); ``control_backend`` (the process group's, or None);
+    ("cpu" / "cuda:K"); ``threads`` (intra-op threads, :func:`pin`); ``comm_backend``
+    (:attr:`swiftspec.distributed.parallel.TPContext.comm_backend`: "local", "ll", "shm", "gloo" or "nccl"); ``control_backend`` (the process group's, or None);
     ``cuda_graphs``: role -> graphs captured; ``graph_ban``: why decode steps run eagerly at
     TP > 1 on CUDA with graphs requested, else None; ``ll_epochs``: collective calls the LL
     communicator has run so far (graph warm-ups included), None without one.
@@ -145,7 +145,8 @@ def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
         e = tp.shm.epoch  # a method on CUDA (it reads device memory), a property on CPU
         epochs = int(e() if callable(e) else e)
     return {"pid": os.getpid(), "kind": spec.kind, "rank": spec.rank, "group_rank": tp.rank, "tp": tp.size,
-            "device": spec.device, "comm_backend": tp.comm_backend, "control_backend": tp.control,
+            "device": spec.device, "threads": torch.get_num_threads(), "comm_backend": tp.comm_backend,
+            "control_backend": tp.control,
             "cuda_graphs": {role: len(r.step.graphs) if r.step is not None else 0 for role, r in runners.items()},
             "graph_ban": ban, "ll_epochs": epochs}
 
@@ -188,10 +189,16 @@ def _setup(spec: WorkerSpec):
 
 
 def pin(spec: WorkerSpec) -> None:
-    """Pin this process to ``spec.cores`` (where the OS allows) and set its intra-op threads."""
-    if spec.cores is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, spec.cores)
-    torch.set_num_threads(spec.threads)
+    """Pin this process to ``spec.cores`` (where the OS allows) and set its intra-op threads:
+    ``spec.threads``, at most one per core this process may run on, so an OpenMP thread waiting
+    for its siblings spins on a core of its own, never on the one a sibling needs
+    (:func:`swiftspec.engine.placement.union_cores`)."""
+    threads = spec.threads
+    if hasattr(os, "sched_setaffinity"):
+        if spec.cores is not None:
+            os.sched_setaffinity(0, spec.cores)
+        threads = min(threads, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(max(1, threads))
 
 
 def worker_main(spec: WorkerSpec, engine: Connection, followers: list[Connection],
