@@ -108,6 +108,10 @@ def render(record) -> str:
                   f"{r['rows']} | {r['ms']:.1f} | {r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} %"
                   + (f" of {r['bandwidth_gb_s']:.1f} |" if "bandwidth_gb_s" in r else " |")
                   for r in record["rows"]]
+        if record.get("tuning"):  # what swiftspec.ops.tuning chose for this model, and its summed times
+            t = record["tuning"]
+            lines += ["", f"self-tuning ({t['source']}, rows {', '.join(map(str, t['rows']))}): {t['variant']}; "
+                      + ", ".join(f"{v} {ms:.1f} ms" for v, ms in t["times_ms"].items())]
         if record.get("prefill"):
             lines += ["", f"prefill ({record.get('dtype', 'float32')} activations, the dispatched kernel)", "",
                       "| prompt tokens | ms | tokens/s |", "|---|---|---|"]

@@ -124,7 +124,8 @@ def _measure(engine, prompts, max_tokens) -> dict:
 
 def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prompts: int = 2,
             max_tokens: int = 128, sweep: bool = False, dtype: str = "auto", devices: list[int] | None = None,
-            progress: bool = True, margin: float = 0.05) -> tuple[dict, list[dict], Path]:
+            progress: bool = True, margin: float = 0.05,
+            retune_kernels: bool = False) -> tuple[dict, list[dict], Path]:
     """Measure every candidate; return (chosen configuration dict, all candidate rows, the file
     where the chosen mode is stored for ``mode="auto"``, :func:`swiftspec.engine.machine_profile.save_profile`).
 
@@ -132,7 +133,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     see :func:`choose` for how ``margin`` keeps it. A sweep winner other than the defaults is
     confirmed by measuring it and the defaults once more ("confirm" rows) and choosing between
     those two fresh measurements. Each candidate costs one engine start and
-    ``len(prompts) * num_prompts * max_tokens`` generated tokens per ``d`` tried."""
+    ``len(prompts) * num_prompts * max_tokens`` generated tokens per ``d`` tried. ``retune_kernels``:
+    first measure the quantized GEMM's variants on this machine again (:func:`retune`),
+    whatever its stored kernel profile says; the candidates' workers then run the new choice."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -142,6 +145,8 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     from swiftspec.weights.loader import resolve_model
 
     target_dir, draft_dir = resolve_model(target, "target"), resolve_model(draft, "draft")
+    if retune_kernels:
+        retune(target_dir, draft_dir, progress)
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     calib = []
     for spec in prompts:
@@ -225,6 +230,22 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     return out, rows, save_profile(out, target_dir, draft_dir)
 
 
+def retune(target_dir, draft_dir, progress: bool = True):
+    """Measure the quantized GEMM's variants on the pair's weights again and store the winner for
+    this machine (:func:`swiftspec.model_executor.kernel_tuning.tune_kernels` with ``retune``; the
+    rows of the default configuration's verification); returns the
+    :class:`~swiftspec.ops.tuning.Choice` (None with the kernels unavailable)."""
+    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.model_executor.kernel_tuning import tune_kernels
+
+    cfg = EngineConfig()
+    choice = tune_kernels([(str(target_dir), None), (str(draft_dir), cfg.draft_vocab)], [1, cfg.bs], retune=True)
+    if progress and choice is not None:
+        times = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in choice.times_s.items())
+        print(f"quantized GEMM: {choice.variant} ({choice.source}: {times or 'no GGUF weights'})", file=sys.stderr)
+    return choice
+
+
 def _cuda_devices() -> tuple[list[int], int]:
     """(the visible GPUs' indices, the first one's streaming multiprocessors): where the engine
     runs on CUDA (``device="auto"``), the profile measures the GPU layouts; ``([], 0)`` without CUDA."""
@@ -263,6 +284,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--cores", help="comma-separated CPU cores to split (default: all available)")
     ap.add_argument("--output", default="swiftspec-config.json", help="where to write the chosen configuration")
+    ap.add_argument("--retune-kernels", action="store_true",
+                    help="measure the quantized GEMM's kernel variants on this machine again first "
+                         "(else a stored measurement is kept)")
     return ap
 
 
@@ -270,7 +294,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
     devices = [int(c) for c in args.cores.split(",")] if args.cores else None
     best, rows, stored = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,
-                         args.dtype, devices, margin=args.margin)
+                         args.dtype, devices, margin=args.margin, retune_kernels=args.retune_kernels)
     print(table(rows))
     tmp = Path(f"{args.output}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(best, indent=1))

@@ -585,7 +585,8 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------------
     def kernel_dispatch(self) -> dict[str, str]:
         """Which implementation each kernel family runs: on CPU :func:`swiftspec.ops.cpu_dispatch`
-        (all "torch" with kernels off; the workers run on this machine and decide the same way);
+        as the first worker reported it (the quantized GEMM's variant it tuned to, and why), else
+        this process's (all "torch" with kernels off);
         on CUDA the CUDA kernels ("cuda", falling back to PyTorch where they fail to build) or cuBLAS."""
         from swiftspec import ops
 
@@ -595,7 +596,7 @@ class Engine:
                     "rms_norm": "torch"}
         if not self.config.kernels:
             return {k: "torch" for k in ops.CPU_FAMILIES}
-        return ops.cpu_dispatch()
+        return next((w["kernels"] for w in self.workers if w.get("kernels")), None) or ops.cpu_dispatch()
 
     @property
     def pids(self) -> list[int]:

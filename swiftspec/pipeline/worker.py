@@ -61,6 +61,7 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
     runners, peers, store)``; ``plan`` is the leader's (None on the other stages)."""
     from swiftspec import ops
     from swiftspec.distributed.parallel import LOCAL
+    from swiftspec.model_executor.kernel_tuning import tune_kernels
     from swiftspec.model_executor.runner import ModelRunner
 
     store = join(rank, stages, master_addr, master_port, timeout_s)
@@ -71,6 +72,8 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
     ops.set_kernels(plan.kernels)
     if plan.kernels:
         ops.cpu_dispatch()  # load (or build) the CPU kernels now: no stage pauses once heartbeats run
+        # the quantized GEMM's variant, before the weights take its layout
+        tune_kernels([(target, None)] + ([(draft, draft_vocab)] if draft is not None else []), [1, plan.width])
     dtype = getattr(torch, plan.dtype)
     cap = capacity(plan.max_model_len, plan.width, stages)
     # verified keys stay in tree slots between misses: the caches record each slot's position
