@@ -53,7 +53,7 @@ def _inject(monkeypatch, m, winner: str) -> list[str]:
     list of variants timed (grows with each measurement)."""
     timed: list[str] = []
 
-    def fake(mod, variant, weights, rows, group, reps=3):
+    def fake(mod, variant, weights, rows, group, reps=3, stop_after=float("inf")):
         assert mod is m and weights and rows and group in (0, 8, 16)
         timed.append(variant)
         return 1e-3 if variant == winner else 5e-3
@@ -110,7 +110,7 @@ def test_profile_is_measured_once_per_key(ext, gguf_dir, tuning_on, monkeypatch)
     weights = model_weights(gguf_dir)
     c = _choose(ext, weights, [1, 4], "build-a")
     assert (c.variant, c.source) == (winner, "measured here") and tuning.current_variant(ext) == winner
-    assert timed == tuning.variants(ext.quant_impls())
+    assert timed == tuning.variants(ext.quant_rule_impls())
     stored = json.loads(next(tuning_on.glob("*.json")).read_text())
     assert stored["variant"] == winner and stored["key"]["build"] == "build-a"
     n = len(timed)
@@ -184,3 +184,28 @@ def test_profile_retunes_on_request(ext, gguf_dir, tuning_on, monkeypatch):
     assert n and tune_kernels(pair, [1]) and len(timed) == n
     c = profile.retune(gguf_dir, gguf_dir, progress=False)
     assert c.source == "measured here" and len(timed) == 2 * n
+
+
+def test_time_variant_times_every_weight_and_row_count_until_cut_off(ext, gguf_dir):
+    """The real timing function (no assertion on its numbers): one warm-up and ``reps`` calls per
+    weight and row count, in the variant's layout; past ``stop_after`` it stops."""
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def quant_linear(self, x, parts, types, impl):
+            calls.append((x.shape[0], tuple(types)))
+            return ext.quant_linear(x, parts, types, impl)
+
+    weights = model_weights(gguf_dir)
+    rule = tuning.rule_variant(ext)
+    group = _group(rule)
+    assert tuning.time_variant(Counting(), rule, weights, [1, 3], group if group > 1 else 0, reps=2) > 0
+    assert len(calls) == len(weights) * 2 * 3 and {n for n, _ in calls} == {1, 3}
+    groups = {ops.quant.group_rows(t) for _, ts in calls for t in ts}  # parts that cannot interleave stay plain
+    assert group in groups and groups <= {group, 1}
+    calls.clear()
+    tuning.time_variant(Counting(), rule, weights, [1, 3], group if group > 1 else 0, reps=2, stop_after=0.0)
+    assert len(calls) == 3  # the first weight at one row count, then cut off
