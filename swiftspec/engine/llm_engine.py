@@ -333,7 +333,7 @@ class Engine:
 
     def _wait_ready(self) -> None:
         """Wait for every worker's ``("ready", pid[, info])``; ``self.workers`` gets each worker's
-        info (:func:`swiftspec.engine.worker.ready_info`; ``{"pid": pid}`` from a pipeline stage)."""
+        info (:func:`swiftspec.engine.worker.ready_info`; ``pid`` and ``kernels`` from pipeline stage 0)."""
         pending = set(range(len(self._procs)))
         self.workers: list[dict] = [{} for _ in self._procs]
         deadline = time.monotonic() + self.config.start_timeout_s

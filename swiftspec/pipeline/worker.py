@@ -90,6 +90,7 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
 
 def lead(spec, engine: Connection) -> None:
     """Stage 0 (``spec``: a :class:`swiftspec.engine.worker.WorkerSpec`): serve the engine's requests."""
+    from swiftspec import ops
     from swiftspec.pipeline.decode import PipelineDecoder
     from swiftspec.spec_decode import scheduler
     from swiftspec.spec_decode.scheduler import text_decoder
@@ -100,7 +101,8 @@ def lead(spec, engine: Connection) -> None:
                                         spec.draft_vocab)
     engine = LockedConn(engine)
     beat = Heartbeat(store, LEADER, peers, lambda msg: _die(engine, msg))
-    engine.send(("ready", os.getpid()))
+    # the quantized GEMM's variant stage 0 tuned to, for the engine's metrics
+    engine.send(("ready", os.getpid(), {"pid": os.getpid(), "kernels": ops.cpu_dispatch() if plan.kernels else None}))
     target = runners[ROLE_TARGET]
     pipe = PipelineLeader(Stage(target, LEADER, spec.stages))
     loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity,
