@@ -199,7 +199,9 @@ def _load(name: str, results: Path = RESULTS):
 def _command(record: dict) -> str:
     """The record's command as it reproduces it: where its output went left out, its environment set."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(record["machine"].get("env", {}).items())
-           if k not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_REAL_MODELS")]  # where models live, which tests run
+           # where models live, which tests run; whether the quantized GEMM was tuned (the record's
+           # isa names the variant that ran and why: quant_gemm_variant, quant_gemm_choice)
+           if k not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_REAL_MODELS", "SWIFTSPEC_KERNEL_TUNING")]
     return " ".join(env + [re.sub(r" --out \S+", "", record["command"])])
 
 
