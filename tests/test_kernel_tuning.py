@@ -83,6 +83,13 @@ def test_model_weights_are_one_layer_and_the_head(gguf_dir):
     assert model_weights(gguf_dir, logits_vocab=32)[-1].parts[0].shape[0] == 32
 
 
+def test_pick_keeps_the_rule_within_the_margin():
+    times = {"avx2+prefetch": 0.97, "avx2+noprefetch": 1.0, "scalar": 8.0}
+    assert tuning.pick(times, "avx2+noprefetch") == "avx2+noprefetch"
+    assert tuning.pick(dict(times, **{"avx2+prefetch": 0.9}), "avx2+noprefetch") == "avx2+prefetch"
+    assert tuning.pick(times, "scalar") == "avx2+prefetch"
+
+
 def test_variants_and_their_names():
     assert tuning.variants(["avx512_vnni_512", "avx2", "scalar"]) == [
         "avx512_vnni_512", "avx2+prefetch", "avx2+noprefetch", "scalar"]
