@@ -136,8 +136,8 @@ def main() -> None:
         ops.set_kernels(kernels)
         ops.set_quant_x8(layout == "x8")
         ops.set_quant_gemm(impl if impl != "-" else default_impl)
-        if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
-            layout = f"x{ops.quant_interleave_rows()}"
+        if layout != "-":  # the layout this kernel reads: interleaved by 16 or 8 rows, or the file's
+            layout = f"x{ops.quant_interleave_rows()}" if ops.quant_interleave_rows() else "plain"
         model = load_model(path, dtype=dtype, max_positions=max(512, *args.prefill, 0) + 16, weights=weights)
         huge_bytes = host_memory.huge_page_bytes()  # the block weights' huge pages (swiftspec.weights.host_memory)
         nbytes = weight_read_bytes(model, vocab)
