@@ -10,11 +10,15 @@ and right after each row count's timing (the better of the two; the record's top
 8 rows, or by 16 where the 512-bit kernel runs) and in the file's plain layout, side by side; also the same forward with every weight dequantized
 (``weights="float32"``) and with the kernels off (the PyTorch path of the same arithmetic). Prints
 a table and writes JSON (--out). ``--quant-gemm`` runs the interleaved forward once per named
-quantized-GEMM kernel (default: the one dispatch picks), side by side.
+quantized-GEMM variant (a kernel, "avx2+prefetch" / "avx2+noprefetch" for the 8-row kernels, or
+"all": every variant this CPU runs; default: the one dispatch picks), side by side; ``--repeat N``
+runs that list N times over, alternating (a shared machine's noise); ``--tune`` first lets the
+self-tuning (swiftspec.ops.tuning) measure this model's weights and records what it chose.
 
     python bench/native_forward.py --threads 2 --out bench/results/native-forward-avx2.json
     python bench/native_forward.py --model draft --threads 2 --out bench/results/native-forward-draft-avx2.json
     python bench/native_forward.py --only-dispatched --dtype bfloat16 --prefill 128 512 --out r.json
+    python bench/native_forward.py --only-dispatched --quant-gemm all --rows 1 2 4 --repeat 3 --tune --out r.json
 
 ``--prefill N ...`` also times prompts of N tokens through the dispatched native path (a request's
 time to first token, less tokenization), recorded under "prefill".
@@ -68,6 +72,23 @@ def time_prefill(model, n: int, rounds: int) -> float:
     return best
 
 
+def tune(path, vocab: int | None) -> dict | None:
+    """The self-tuning's choice for this model alone, measured now (swiftspec.ops.tuning; the rows
+    of the engine's default verification): ``{"variant", "source", "times_ms", "rows"}``; None
+    with the kernels unavailable. It stays applied (the default of the forwards that follow)."""
+    from swiftspec.engine.config import EngineConfig
+    from swiftspec.model_executor.kernel_tuning import tune_kernels
+
+    rows = [1, EngineConfig().bs]
+    choice = tune_kernels([(str(path), vocab)], rows, retune=True)
+    if choice is None:
+        return None
+    print(f"self-tuning chose {choice.variant} ({choice.source}): "
+          + ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in choice.times_s.items()), flush=True)
+    return {"variant": choice.variant, "source": choice.source, "rows": rows,
+            "times_ms": {v: t * 1e3 for v, t in choice.times_s.items()}}
+
+
 def main() -> None:
     from swiftspec import ops
     from swiftspec.benchmark.memory import read_bandwidth, weight_read_bytes
@@ -79,8 +100,14 @@ def main() -> None:
     ap.add_argument("--model", choices=["target", "draft"], default="target")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--quant-gemm", nargs="+", metavar="IMPL",
-                    help="quantized-GEMM kernels to time the interleaved layout with (ops.set_quant_gemm)")
+    ap.add_argument("--quant-gemm", nargs="+", metavar="VARIANT",
+                    help="quantized-GEMM variants to time the interleaved layout with (ops.set_quant_gemm; all: "
+                         "every variant this CPU runs)")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8], help="rows per forward")
+    ap.add_argument("--repeat", type=int, default=1, help="time the list of variants this many times, alternating")
+    ap.add_argument("--tune", action="store_true",
+                    help="first measure the self-tuning's choice for this model (rows 1 and the default "
+                         "verification's) and record it")
     ap.add_argument("--prefill", nargs="+", type=int, default=[], metavar="TOKENS",
                     help="also time prefills of these prompt lengths (best of 3), native weights, kernels on")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
@@ -92,8 +119,14 @@ def main() -> None:
     vocab = None if args.model == "target" else 32768  # EngineConfig.draft_vocab
     bw = read_bandwidth(torch.device("cpu"), args.threads)
     rows_out = []
-    default_impl = ops.cpu_dispatch()["quant_gemm"]
-    configs = [("native", True, "x8", impl) for impl in (args.quant_gemm or [default_impl])]
+    tuned = tune(path, vocab) if args.tune else None
+    default_impl = ops.cpu_dispatch()["quant_gemm_variant"]
+    named = args.quant_gemm or [default_impl]
+    if named == ["all"]:
+        from swiftspec.ops import tuning
+
+        named = tuning.variants(ops._cpu_module().quant_impls())
+    configs = [("native", True, "x8", impl) for impl in named] * args.repeat
     if not args.only_dispatched:
         configs += [("native", True, "plain", default_impl), ("native", False, "plain", "-"),
                     ("float32", True, "-", "-")]
@@ -103,13 +136,13 @@ def main() -> None:
         ops.set_kernels(kernels)
         ops.set_quant_x8(layout == "x8")
         ops.set_quant_gemm(impl if impl != "-" else default_impl)
-        if layout != "-" and ops.quant_interleave_rows():  # the interleaved layout this kernel reads
-            layout = f"x{ops.quant_interleave_rows()}"
+        if layout != "-":  # the layout this kernel reads: interleaved by 16 or 8 rows, or the file's
+            layout = f"x{ops.quant_interleave_rows()}" if ops.quant_interleave_rows() else "plain"
         model = load_model(path, dtype=dtype, max_positions=max(512, *args.prefill, 0) + 16, weights=weights)
         huge_bytes = host_memory.huge_page_bytes()  # the block weights' huge pages (swiftspec.weights.host_memory)
         nbytes = weight_read_bytes(model, vocab)
         before = read_bandwidth(torch.device("cpu"), args.threads)
-        for rows in (1, 2, 4, 8):
+        for rows in args.rows:
             t = time_forward(model, rows, args.rounds, vocab)
             after = read_bandwidth(torch.device("cpu"), args.threads)
             # this machine's memory state can change within seconds: each row count is set against the
@@ -117,10 +150,11 @@ def main() -> None:
             near = max(before, after)
             before = after
             rows_out.append({"weights": weights, "kernels": kernels, "layout": layout, "quant_gemm": impl,
+                             "quant_gemm_variant": ops.cpu_dispatch()["quant_gemm_variant"] if kernels else "-",
                              "huge_page_bytes": huge_bytes, "rows": rows,
                              "ms": t * 1e3, "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9,
                              "bandwidth_gb_s": near / 1e9, "of_bandwidth": nbytes / t / near})
-            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} {impl:15s} rows={rows:2d} "
+            print(f"{weights:8s} kernels={'on ' if kernels else 'off'} {layout:5s} {impl:19s} rows={rows:2d} "
                   f"{t * 1e3:8.1f} ms {nbytes / t / 1e9:6.1f} GB/s  {nbytes / t / near:5.0%} of {near / 1e9:.1f} GB/s",
                   flush=True)
         if weights == "native" and kernels and layout != "plain" and impl == default_impl:
@@ -140,7 +174,7 @@ def main() -> None:
     record = {"command": "python bench/native_forward.py " + argv, "model": args.model,
               **machine_record(),  # cpu, cpu_family, cpu_flags, isa, ...
               "threads": args.threads, "dtype": args.dtype, "bandwidth_gb_s": bw / 1e9, "rows": rows_out,
-              "prefill": prefills}
+              "prefill": prefills, "tuning": tuned}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -109,6 +109,10 @@ def render(record) -> str:
                   f"{r['rows']} | {r['ms']:.1f} | {r['gb_s']:.1f} | {100 * r['of_bandwidth']:.0f} %"
                   + (f" of {r['bandwidth_gb_s']:.1f} |" if "bandwidth_gb_s" in r else " |")
                   for r in record["rows"]]
+        if record.get("tuning"):  # what swiftspec.ops.tuning chose for this model, and its summed times
+            t = record["tuning"]
+            lines += ["", f"self-tuning ({t['source']}, rows {', '.join(map(str, t['rows']))}): {t['variant']}; "
+                      + ", ".join(f"{v} {ms:.1f} ms" for v, ms in t["times_ms"].items())]
         if record.get("prefill"):
             lines += ["", f"prefill ({record.get('dtype', 'float32')} activations, the dispatched kernel)", "",
                       "| prompt tokens | ms | tokens/s |", "|---|---|---|"]
@@ -214,7 +218,9 @@ def _load(name: str, results: Path = RESULTS):
 def _command(record: dict) -> str:
     """The record's command as it reproduces it: where its output went left out, its environment set."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(record["machine"].get("env", {}).items())
-           if k not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_REAL_MODELS")]  # where models live, which tests run
+           # where models live, which tests run; whether the quantized GEMM was tuned (the record's
+           # isa names the variant that ran and why: quant_gemm_variant, quant_gemm_choice)
+           if k not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_REAL_MODELS", "SWIFTSPEC_KERNEL_TUNING")]
     return " ".join(env + [re.sub(r" --out \S+", "", record["command"])])
 
 

@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# no quantized-GEMM self-tuning at engine start (seconds of timing per new weight shape; the
+# choice is the rule's): tests/test_kernel_tuning.py turns it on where it tests it
+os.environ["SWIFTSPEC_KERNEL_TUNING"] = "0"
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -12,7 +12,9 @@
 // __builtin_cpu_supports), not from the machine that compiled it: AVX-512 VNNI (its 512-bit entry
 // point, which also reads the 16-row interleaved layout, where that measured faster:
 // cpu_prefers_512), else AVX2 + FMA +
-// F16C, else the portable scalar loop; `impl` names one for the tests.
+// F16C, else the portable scalar loop; `impl` names one for the tests. That rule, and whether the
+// 8-row kernels prefetch (prefetch_rule), hold until set_impl / set_prefetch pick what a
+// measurement on this machine chose (swiftspec/ops/tuning.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +22,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -74,12 +77,30 @@ unsigned amd_family() {
 bool cpu_prefers_512() { return amd_family() >= 0x1A; }
 
 // Whether the 8-row layout's kernels (avx2, avx512_vnni) prefetch their blocks ahead as the
-// 16-row one does: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward faster at
-// 1-4 rows on Zen 5; not elsewhere (on an Intel Xeon a prefetch slowed their one-row forward;
-// bench/LOG.md, "The 8-row layout prefetches on AMD").
-bool prefetch_x8() {
+// 16-row one does, by rule: on AMD CPUs, where that made the AVX2 and the 256-bit VNNI forward
+// faster at 1-4 rows on Zen 5; not elsewhere (on an Intel Xeon a prefetch slowed their one-row
+// forward; bench/LOG.md, "The 8-row layout prefetches on AMD"). The rule holds until set_prefetch
+// (a measurement on this machine: swiftspec/ops/tuning.py) decides.
+bool prefetch_rule() {
   static const bool on = amd_family() != 0;
   return on;
+}
+
+// -1: the rule, 0: off, 1: on; read once per quant_linear call
+std::atomic<int>& prefetch_mode() {
+  static std::atomic<int> mode{-1};
+  return mode;
+}
+
+bool prefetch_x8() {
+  const int mode = prefetch_mode().load(std::memory_order_relaxed);
+  return mode < 0 ? prefetch_rule() : mode != 0;
+}
+
+void set_prefetch(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "quant_set_prefetch: mode must be -1 (the rule), 0 (off) or 1 (on), got ",
+              mode);
+  prefetch_mode().store(static_cast<int>(mode), std::memory_order_relaxed);
 }
 
 using GemmFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
@@ -87,8 +108,9 @@ using GemmFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 // The kernels this CPU can run, fastest first (cpuid is read once); "auto" runs the first.
 // SWIFTSPEC_QUANT_GEMM=<impl> in the environment, or set_impl, puts another one this CPU runs
 // first (ablations; the benchmarks' records say which ran).
-std::vector<std::string>& impls() {
-  static std::vector<std::string> v = [] {
+// The rule's order alone (no environment, no set_impl): the fallback before a measurement.
+const std::vector<std::string>& rule_impls() {
+  static const std::vector<std::string> v = [] {
     std::vector<std::string> r;
     if (cpu_has_avx512vnni()) {
       r = {"avx512_vnni", "avx512_vnni_512"};
@@ -96,6 +118,14 @@ std::vector<std::string>& impls() {
     }
     if (cpu_has_avx2()) r.emplace_back("avx2");
     r.emplace_back("scalar");
+    return r;
+  }();
+  return v;
+}
+
+std::vector<std::string>& impls() {
+  static std::vector<std::string> v = [] {
+    std::vector<std::string> r = rule_impls();
     if (const char* e = std::getenv("SWIFTSPEC_QUANT_GEMM")) {
       const auto it = std::find(r.begin(), r.end(), std::string(e));
       if (it != r.end()) std::rotate(r.begin(), it, it + 1);
@@ -178,6 +208,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "quant_linear: one type per weight part");
   const GemmFn fn = kernel(impl);
   const QuantFn qfn = quantizer(fn);
+  const bool prefetch = prefetch_x8();
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Problem> parts(weights.size());
   std::vector<int64_t> col0(weights.size() + 1, 0);
@@ -214,7 +245,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     p.xd = qx[f].xd.data_ptr<float>();
     p.xs = f ? qx[f].xs.data_ptr<int16_t>() : nullptr;
     p.xs32 = qx[f].xs32.data_ptr<int16_t>();
-    p.prefetch_x8 = prefetch_x8();
+    p.prefetch_x8 = prefetch;
     TORCH_CHECK(col0[i] % g == 0, "quant_linear: interleaved weight part ", i, " must start at a multiple of ", g,
                 " output columns, starts at ", col0[i]);
     col0[i + 1] = col0[i] + w.size(0);
@@ -379,6 +410,15 @@ void register_quant_gemm(pybind11::module_& m) {
         "the quantized-GEMM kernels this CPU runs, the one \"auto\" runs first (by default the fastest)");
   m.def("quant_set_impl", &quant::set_impl, pybind11::arg("impl"),
         "make `impl` (one of quant_impls()) the kernel \"auto\" runs in this process");
+  m.def("quant_rule_impls", [] { return quant::rule_impls(); },
+        "quant_impls() in the rule's order (cpuid and CPU family only), before any environment or set_impl");
+  m.def("quant_set_prefetch", &quant::set_prefetch, pybind11::arg("mode"),
+        "whether the 8-row layout's kernels (avx2, avx512_vnni) prefetch their blocks ahead in this process: "
+        "1 on, 0 off, -1 the rule (on on AMD CPUs); the 16-row kernel always prefetches, scalar never");
+  m.def("quant_prefetch", [] { return quant::prefetch_x8(); },
+        "whether the 8-row layout's kernels prefetch now (quant_set_prefetch, else the rule)");
+  m.def("quant_prefetch_rule", [] { return quant::prefetch_rule(); },
+        "whether the rule has the 8-row layout's kernels prefetch on this CPU (AMD CPUs)");
 }
 
 }  // namespace swiftspec

@@ -236,7 +236,8 @@ def _chosen_config(best: dict, config, prompts, num_prompts: int, max_tokens: in
 
 def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prompts: int = 2,
             max_tokens: int = 128, sweep: bool = False, dtype: str = "auto", devices: list[int] | None = None,
-            progress: bool = True, margin: float = 0.05) -> tuple[dict, list[dict], Path]:
+            progress: bool = True, margin: float = 0.05,
+            retune_kernels: bool = False) -> tuple[dict, list[dict], Path]:
     """Measure every candidate; return (chosen configuration dict, all candidate rows, the file
     where the chosen mode is stored for ``mode="auto"``, :func:`swiftspec.engine.machine_profile.save_profile`).
 
@@ -257,6 +258,9 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
         devices: CPU cores to use (default: this process's affinity).
         progress: a tqdm bar on stderr.
         margin: the fraction by which a candidate must beat the defaults.
+        retune_kernels: first measure the quantized GEMM's variants on this machine again
+            (:func:`retune`), whatever its stored kernel profile says; the candidates' workers
+            then run the new choice.
 
     Raises:
         ModelLoadError: a model cannot be resolved; whatever an engine start raises.
@@ -268,6 +272,8 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     from swiftspec.weights.loader import resolve_model
 
     target_dir, draft_dir = resolve_model(target, "target"), resolve_model(draft, "draft")
+    if retune_kernels:
+        retune(target_dir, draft_dir, progress)
     calib = _calibration_prompts(target_dir, prompts, num_prompts)
     devices = devices or sorted(os.sched_getaffinity(0))
     dflt = EngineConfig()
@@ -291,6 +297,22 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     best["chosen"] = True
     out = _chosen_config(best, _engine_config(best, dtype, devices, gpus), prompts, num_prompts, max_tokens)
     return out, rows, save_profile(out, target_dir, draft_dir)
+
+
+def retune(target_dir, draft_dir, progress: bool = True):
+    """Measure the quantized GEMM's variants on the pair's weights again and store the winner for
+    this machine (:func:`swiftspec.model_executor.kernel_tuning.tune_kernels` with ``retune``; the
+    rows of the default configuration's verification); returns the
+    :class:`~swiftspec.ops.tuning.Choice` (None with the kernels unavailable)."""
+    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.model_executor.kernel_tuning import tune_kernels
+
+    cfg = EngineConfig()
+    choice = tune_kernels([(str(target_dir), None), (str(draft_dir), cfg.draft_vocab)], [1, cfg.bs], retune=True)
+    if progress and choice is not None:
+        times = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in choice.times_s.items())
+        print(f"quantized GEMM: {choice.variant} ({choice.source}: {times or 'no GGUF weights'})", file=sys.stderr)
+    return choice
 
 
 def _cuda_devices() -> tuple[list[int], int]:
@@ -336,6 +358,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--cores", help="comma-separated CPU cores to split (default: all available)")
     ap.add_argument("--output", default="swiftspec-config.json", help="where to write the chosen configuration")
+    ap.add_argument("--retune-kernels", action="store_true",
+                    help="measure the quantized GEMM's kernel variants on this machine again first "
+                         "(else a stored measurement is kept)")
     return ap
 
 
@@ -346,7 +371,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
     devices = [int(c) for c in args.cores.split(",")] if args.cores else None
     best, rows, stored = profile(args.target, args.draft, args.prompts, args.num_prompts, args.max_tokens, args.sweep,
-                         args.dtype, devices, margin=args.margin)
+                         args.dtype, devices, margin=args.margin, retune_kernels=args.retune_kernels)
     print(table(rows))
     tmp = Path(f"{args.output}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(best, indent=1))

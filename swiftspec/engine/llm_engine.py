@@ -328,7 +328,7 @@ class Engine:
 
     def _wait_ready(self) -> None:
         """Wait for every worker's ``("ready", pid[, info])``; ``self.workers`` gets each worker's
-        info (:func:`swiftspec.engine.worker.ready_info`; ``{"pid": pid}`` from a pipeline stage)."""
+        info (:func:`swiftspec.engine.worker.ready_info`; ``pid`` and ``kernels`` from pipeline stage 0)."""
         pending = set(range(len(self._procs)))
         self.workers: list[dict] = [{} for _ in self._procs]
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -580,7 +580,8 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------------
     def kernel_dispatch(self) -> dict[str, str]:
         """Which implementation each kernel family runs: on CPU :func:`swiftspec.ops.cpu_dispatch`
-        (all "torch" with kernels off; the workers run on this machine and decide the same way);
+        as the first worker reported it (the quantized GEMM's variant it tuned to, and why), else
+        this process's (all "torch" with kernels off);
         on CUDA the CUDA kernels ("cuda", falling back to PyTorch where they fail to build) or cuBLAS."""
         from swiftspec import ops
 
@@ -590,7 +591,7 @@ class Engine:
                     "rms_norm": "torch"}
         if not self.config.kernels:
             return {k: "torch" for k in ops.CPU_FAMILIES}
-        return ops.cpu_dispatch()
+        return next((w["kernels"] for w in self.workers if w.get("kernels")), None) or ops.cpu_dispatch()
 
     @property
     def pids(self) -> list[int]:

@@ -135,9 +135,14 @@ def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
     (:attr:`swiftspec.distributed.parallel.TPContext.comm_backend`: "local", "ll", "shm", "gloo" or "nccl"); ``control_backend`` (the process group's, or None);
     ``cuda_graphs``: role -> graphs captured; ``graph_ban``: why decode steps run eagerly at
     TP > 1 on CUDA with graphs requested, else None; ``ll_epochs``: collective calls the LL
-    communicator has run so far (graph warm-ups included), None without one.
+    communicator has run so far (graph warm-ups included), None without one; ``kernels``: on
+    CPU, :func:`swiftspec.ops.cpu_dispatch` in this process (the quantized GEMM's variant it
+    tuned to and why), else None; ``quant_layout_rows``: role -> the interleave groups of its GGUF
+    weights (:func:`swiftspec.model_executor.kernel_tuning.layout_rows`; [] without any).
     """
+    from swiftspec import ops
     from swiftspec.distributed.parallel import graph_ban
+    from swiftspec.model_executor.kernel_tuning import layout_rows
 
     ban = graph_ban(tp) if spec.config.cuda_graphs and torch.device(spec.device).type == "cuda" else None
     epochs = None
@@ -148,7 +153,9 @@ def ready_info(spec: WorkerSpec, tp, runners: dict) -> dict:
             "device": spec.device, "threads": torch.get_num_threads(), "comm_backend": tp.comm_backend,
             "control_backend": tp.control,
             "cuda_graphs": {role: len(r.step.graphs) if r.step is not None else 0 for role, r in runners.items()},
-            "graph_ban": ban, "ll_epochs": epochs}
+            "graph_ban": ban, "ll_epochs": epochs,
+            "kernels": ops.cpu_dispatch() if torch.device(spec.device).type == "cpu" and spec.config.kernels else None,
+            "quant_layout_rows": {role: layout_rows(r.model) for role, r in runners.items()}}
 
 
 def _capacity(spec: WorkerSpec, role: str) -> int:
@@ -161,11 +168,15 @@ def _setup(spec: WorkerSpec):
     """Pin, join the world, load the runners; returns ``(runners, tp)``."""
     from swiftspec import ops
     from swiftspec.distributed.parallel import LOCAL, init_world
+    from swiftspec.model_executor.kernel_tuning import tune_kernels
     from swiftspec.model_executor.runner import ModelRunner
 
     pin(spec)
     ops.set_kernels(spec.config.kernels)
     device = torch.device(spec.device)
+    if device.type == "cpu":  # the quantized GEMM's variant, before the weights take its layout
+        tune_kernels([(p, spec.draft_vocab if r == ROLE_DRAFT else None) for r, p in spec.models.items()],
+                     [1, spec.verify_rows])
     if device.type == "cuda":  # before the process group: NCCL binds to the current device
         torch.cuda.set_device(device)
     tp = LOCAL

@@ -28,7 +28,10 @@ _state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0",
           # SWIFTSPEC_QUANT_X8=0: GGUF weights keep the file's plain layout (set_quant_x8)
           "x8": os.environ.get("SWIFTSPEC_QUANT_X8", "1") != "0",
           # SWIFTSPEC_QUANT_X16=0: the 8-row layout even where the 512-bit kernel reads 16 rows
-          "x16": os.environ.get("SWIFTSPEC_QUANT_X16", "1") != "0"}
+          "x16": os.environ.get("SWIFTSPEC_QUANT_X16", "1") != "0",
+          # why the quantized GEMM runs its variant: "rule", "measured here", "environment" or
+          # "set" (set_quant_gemm / set_quant_variant); swiftspec.ops.tuning
+          "quant_source": "environment" if os.environ.get("SWIFTSPEC_QUANT_GEMM") else "rule"}
 
 
 def set_kernels(enabled: bool) -> None:
@@ -77,8 +80,10 @@ def cpu_dispatch() -> dict[str, str]:
     (float/int8 weights: "avx512_bf16", "avx512" or "torch"), ``tree_attention`` ("avx512", "avx2"
     or "torch"), ``rms_norm`` ("cpp": portable C++ the compiler vectorizes) and ``silu_mul``
     (SwiGLU's activation after the quantized GEMM: "avx512", "avx2" or "torch", the widest loop the
-    extension was built with). Recorded in the engine's metrics and the benchmark records. All
-    "torch" when the extension is unavailable.
+    extension was built with), plus ``quant_gemm_variant`` (the kernel and, for the 8-row ones,
+    whether it prefetches: e.g. "avx2+prefetch"; :mod:`swiftspec.ops.tuning`) and
+    ``quant_gemm_choice`` (why: "measured here", "rule", "environment" or "set"). Recorded in the
+    engine's metrics and the benchmark records. All "torch" when the extension is unavailable.
     """
     m = _cpu_module()
     if m is None:
@@ -86,24 +91,63 @@ def cpu_dispatch() -> dict[str, str]:
     gemm = [i for i in m._linear_impls() if i != "scalar"]
     attn = [i for i in m._tree_attention_impls() if i != "scalar"]
     act = m._silu_mul_impls()[-1]
+    from swiftspec.ops import tuning
+
     return {"quant_gemm": m.quant_impls()[0], "skinny_gemm": gemm[-1] if gemm else "torch",
             "tree_attention": attn[-1] if attn else "torch", "rms_norm": "cpp",
-            "silu_mul": act if act != "scalar" else "torch"}
+            "silu_mul": act if act != "scalar" else "torch",
+            "quant_gemm_variant": tuning.current_variant(m), "quant_gemm_choice": _state["quant_source"]}
 
 
 def set_quant_gemm(impl: str) -> None:
     """Make ``impl`` (one of the quantized-GEMM kernels this CPU runs: "avx512_vnni_512",
     "avx512_vnni", "avx2", "scalar") the one every GGUF weight op of this process runs, as
-    ``SWIFTSPEC_QUANT_GEMM=impl`` does from the start (benchmarks compare them side by side).
+    ``SWIFTSPEC_QUANT_GEMM=impl`` does from the start (benchmarks compare them side by side);
+    ``impl + "+prefetch"`` / ``"+noprefetch"`` (the 8-row kernels) also sets whether it prefetches
+    (:func:`swiftspec.ops.tuning.split`; a bare name leaves that as it is).
 
     Raises:
         RuntimeError: this CPU cannot run ``impl``, or the CPU extension is unavailable.
+        ValueError: a "+prefetch" on a kernel without that choice.
     """
+    set_quant_variant(impl, "set")
+
+
+def set_quant_variant(variant: str, source: str) -> None:
+    """Run quantized-GEMM ``variant`` (:mod:`swiftspec.ops.tuning`) in this process, recording
+    ``source`` as why (``cpu_dispatch()["quant_gemm_choice"]``). Raises as :func:`set_quant_gemm`."""
+    from swiftspec.ops import tuning
+
     m = _cpu_module()
     if m is None:
         raise RuntimeError("set_quant_gemm: the CPU kernels are unavailable")
-    m.quant_set_impl(impl)
+    tuning.apply(m, variant)
+    _state["quant_source"] = source
     cpu_dispatch.cache_clear()
+
+
+def tune_quant_gemm(weights: list, rows: list[int], retune: bool = False):
+    """Pick the quantized-GEMM variant of this process for GGUF weights ``weights``
+    (:class:`swiftspec.ops.tuning.TuneWeight`) at ``rows`` rows per call: this machine's stored
+    measurement, else one taken now (a few seconds, stored), else the rule
+    (:func:`swiftspec.ops.tuning.choose`). Call it before building the weights: their layout
+    follows the variant. Returns the :class:`~swiftspec.ops.tuning.Choice`, or None with the
+    kernels off or the extension unavailable."""
+    from swiftspec.ops import cpu, tuning
+
+    m = _cpu_module() if _state["enabled"] else None
+    if m is None:
+        return None
+    choice = tuning.choose(m, weights, rows, cpu.build_hash(), _interleave_rows_now, retune=retune)
+    _state["quant_source"] = choice.source
+    cpu_dispatch.cache_clear()
+    return choice
+
+
+def _interleave_rows_now() -> int:
+    """:func:`quant_interleave_rows` under the variant just applied (dispatch asked afresh)."""
+    cpu_dispatch.cache_clear()
+    return quant_interleave_rows()
 
 
 def _cpu_twin(family: str) -> bool:

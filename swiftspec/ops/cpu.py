@@ -43,6 +43,23 @@ def sources(flag_bits: int | None = None) -> list[Path]:
     return files + [cpu / "registration.cpp"]
 
 
+def build_hash(flag_bits: int | None = None) -> str:
+    """A hash of what the compiled extension's code depends on: the C++ sources and headers, the
+    module name (``march()``, LL-flag width) and torch's version. Kernel timings stored for one
+    build (swiftspec.ops.tuning) do not carry over to another."""
+    h = hashlib.sha256(f"{module_name(flag_bits)} {march()} {_torch_version()}".encode())
+    for p in sorted((CSRC / "cpu").glob("*")) + sorted((CSRC / "include").rglob("*")):
+        if p.is_file():
+            h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def march() -> str:
     """The ``-march`` the extension is built for: ``$SWIFTSPEC_CPU_ARCH`` or "native".
 

@@ -64,6 +64,7 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
     runners, peers, store)``; ``plan`` is the leader's (None on the other stages)."""
     from swiftspec import ops
     from swiftspec.distributed.parallel import LOCAL
+    from swiftspec.model_executor.kernel_tuning import tune_kernels
     from swiftspec.model_executor.runner import ModelRunner
 
     store = join(rank, stages, master_addr, master_port, timeout_s)
@@ -74,6 +75,8 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
     ops.set_kernels(plan.kernels)
     if plan.kernels:
         ops.cpu_dispatch()  # load (or build) the CPU kernels now: no stage pauses once heartbeats run
+        # the quantized GEMM's variant, before the weights take its layout
+        tune_kernels([(target, None)] + ([(draft, draft_vocab)] if draft is not None else []), [1, plan.width])
     dtype = getattr(torch, plan.dtype)
     cap = capacity(plan.max_model_len, plan.width, stages)
     # verified keys stay in tree slots between misses: the caches record each slot's position
@@ -90,6 +93,7 @@ def setup(rank: int, stages: int, master_addr: str, master_port: int, target: st
 
 def lead(spec, engine: Connection) -> None:
     """Stage 0 (``spec``: a :class:`swiftspec.engine.worker.WorkerSpec`): serve the engine's requests."""
+    from swiftspec import ops
     from swiftspec.pipeline.decode import PipelineDecoder
     from swiftspec.spec_decode import scheduler
     from swiftspec.spec_decode.scheduler import text_decoder
@@ -100,7 +104,8 @@ def lead(spec, engine: Connection) -> None:
                                         spec.draft_vocab)
     engine = LockedConn(engine)
     beat = Heartbeat(store, LEADER, peers, lambda msg: _die(engine, msg))
-    engine.send(("ready", os.getpid()))
+    # the quantized GEMM's variant stage 0 tuned to, for the engine's metrics
+    engine.send(("ready", os.getpid(), {"pid": os.getpid(), "kernels": ops.cpu_dispatch() if plan.kernels else None}))
     target = runners[ROLE_TARGET]
     pipe = PipelineLeader(Stage(target, LEADER, spec.stages))
     loop = PipelineDecoder(pipe, runners.get(ROLE_DRAFT), spec.kind, spec.tree.w, spec.tree.topk, target.capacity,
