@@ -87,6 +87,9 @@ class StopChecker:
         self.cancelled = cancelled
         self.ids: list[int] = []
         self.reason: str | None = None
+        # a stop string ending in the newest token spans at most one token per UTF-8 byte of it;
+        # the 64 more cover tokens that decode to nothing (special ones) and a cut first character
+        self.window = 64 + max((len(s.encode("utf-8")) for s in req.params.stop), default=0)
 
     def push(self, new: list[int]) -> list[int]:
         """Append ``new`` tokens; return the ones kept. Sets ``reason`` ("stop"/"length") when done."""
@@ -107,7 +110,7 @@ class StopChecker:
         return kept
 
     def _hit_stop_string(self) -> bool:
-        tail = self.decode(self.ids[-64:])  # stop strings are short; decoding the tail keeps it O(1)
+        tail = self.decode(self.ids[-self.window:])  # the tail only: O(stop length) per token, not O(n)
         return any(s in tail for s in self.req.params.stop)
 
     @property
