@@ -13,6 +13,7 @@ A stream's every write must complete within ``write_timeout_s``, so a client tha
 releases the engine. Prompt text and keys are never logged.
 """
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable
@@ -20,12 +21,7 @@ from collections.abc import Callable
 from swiftspec.entrypoints import openai_protocol as oai
 from swiftspec.entrypoints.chat_encoding import chat_ids, special_texts
 from swiftspec.entrypoints.engine_host import EngineHost
-from swiftspec.entrypoints.http_guard import (
-    Guard,
-    ServerOptions,
-    header_timeout_protocol,
-    timed_send,
-)
+from swiftspec.entrypoints.http_guard import Guard, ServerOptions, WriteDeadline, header_timeout_protocol
 from swiftspec.entrypoints.openai_protocol import APIError
 
 __all__ = ["EngineHost", "ServerOptions", "build_app", "serve", "sse"]
@@ -44,10 +40,14 @@ def timed_stream(events, write_timeout_s: float):
 
     class TimedStream(StreamingResponse):
         async def stream_response(self, send) -> None:
+            deadline = WriteDeadline(write_timeout_s)
             try:
-                await super().stream_response(timed_send(send, write_timeout_s))
-            except TimeoutError:
-                pass  # the client stopped reading
+                with deadline:
+                    await super().stream_response(deadline.wrap(send))
+            except asyncio.CancelledError:
+                if not deadline.expired:
+                    raise
+                asyncio.current_task().uncancel()  # the client stopped reading: the reply ends here
             finally:
                 await self.body_iterator.aclose()
 
