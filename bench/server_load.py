@@ -164,9 +164,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def metric(url: str, name: str) -> float | None:
-    """One sample of the server's Prometheus text (``name`` with no labels)."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+def metric(url: str, name: str, headers: dict | None = None) -> float | None:
+    """One sample of the server's Prometheus text (``name`` with no labels); ``headers``: the API
+    key's, where the server has one (``/metrics`` is behind it)."""
+    for line in httpx.get(f"{url}/metrics", headers=headers or {}, timeout=10).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     return None
@@ -300,7 +301,7 @@ def restart(url: str, server: Server, headers: dict | None = None) -> dict:
         t2 = time.perf_counter()
     return {"killed_pid": victim, "first_status": r1.status_code, "first_s": t1 - t0,
             "health_after_503": health, "next_status": r2.status_code, "next_s": t2 - t1,
-            "restart_s": metric(url, "swiftspec_engine_restart_seconds"),
+            "restart_s": metric(url, "swiftspec_engine_restart_seconds", headers),
             "ok": r1.status_code == 503 and r2.status_code == 200}
 
 

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from swiftspec import Engine, SamplingParams  # noqa: E402
 from swiftspec.entrypoints.openai_protocol import FIM_TOKENS, APIError  # noqa: E402
-from swiftspec.entrypoints.server import EngineHost, build_app  # noqa: E402
+from swiftspec.entrypoints.server import EngineHost, ServerOptions, build_app, uvicorn_config  # noqa: E402
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -42,6 +42,10 @@ def fim_dir(tiny_dir, tmp_path_factory):
     shutil.copytree(tiny_dir, d)
     tok = AutoTokenizer.from_pretrained(str(d))
     tok.add_special_tokens({"additional_special_tokens": list(FIM_TOKENS)})
+    # a role check, as real templates have: the server answers it with 400, the engine unharmed
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
+                         "{{ raise_exception('tool messages need a tool call') }}{% endif %}{% endfor %}"
+                         + tok.chat_template)
     tok.save_pretrained(str(d))
     return d
 
@@ -55,7 +59,8 @@ def server(fim_dir):
 
     host = EngineHost(make, max_queue=3)
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(host, MODEL, KEY), host="127.0.0.1", port=port, log_level="warning"))
+    opts = ServerOptions(api_key=KEY, write_timeout_s=2.0, header_timeout_s=1.0)
+    srv = uvicorn.Server(uvicorn_config(build_app(host, MODEL, opts), opts, port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -198,7 +203,8 @@ def test_api_key_health_models_metrics(server):
     assert httpx.post(f"{url}/v1/chat/completions", json={"messages": []}).status_code == 401
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list()] == [MODEL]
-    text = httpx.get(f"{url}/metrics").text
+    assert httpx.get(f"{url}/metrics").status_code == 401  # behind the key, as the API
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert 'swiftspec_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert "swiftspec_ttft_seconds_bucket" in text and "swiftspec_queue_depth" in text
 
@@ -238,7 +244,7 @@ def test_dead_worker_gives_503_and_the_engine_restarts(server):
     assert health.status_code == 503 and health.json() == {"status": "restarting"}
     assert _chat(client).choices[0].message.content  # queued behind the restart, not failed
     assert host.engine is not old and httpx.get(f"{url}/health").json() == {"status": "ok"}
-    metrics = httpx.get(f"{url}/metrics").text
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "swiftspec_engine_restarts_total 1.0" in metrics
     restart_s = float(next(ln.split()[1] for ln in metrics.splitlines()
                            if ln.startswith("swiftspec_engine_restart_seconds ")))

@@ -55,6 +55,10 @@ class WorkerError(EngineError):
     """A worker process raised or died; the engine has been shut down."""
 
 
+class RequestError(RuntimeError):
+    """One request raised in a worker (``"Type: message"``); the workers live on and serve the next."""
+
+
 class TokenizerMismatchError(ValueError):
     """The draft and target models do not share a tokenizer."""
 
@@ -436,6 +440,7 @@ class Engine:
             ValueError: empty prompt, or prompt longer than ``max_model_len - 1`` tokens; a
                 ``replay`` with a sampled or log-probability request, or in a pipeline mode.
             WorkerError: a worker died or raised (the engine is closed afterwards).
+            RequestError: this request raised in a worker that lives on (the engine still serves).
         """
         out = None
         for chunk in self.stream(prompt, params, chat=chat, trace=trace, replay=replay):
@@ -554,6 +559,9 @@ class Engine:
                 st.expect_done.discard(msg[1])
                 if not st.expect_done:
                     return
+            elif msg[0] == "failed":  # this request's error; other leaders still in it are cancelled
+                st.expect_done.discard(msg[1])
+                raise RequestError(msg[2])
 
     def _cancel(self, expect_done: set[str], conns: list[Connection]) -> None:
         """Stop the running request and drain its messages, so the next request starts clean."""
@@ -561,7 +569,7 @@ class Engine:
         lead.send(("cancel",))
         deadline = time.monotonic() + 30.0
         for msg in self._messages(conns):
-            if msg[0] == "done":
+            if msg[0] in ("done", "failed"):
                 expect_done.discard(msg[1])
             if not expect_done:
                 return

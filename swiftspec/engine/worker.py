@@ -4,8 +4,10 @@ A worker pins itself to its cores, joins the torch.distributed world when its gr
 than one rank, loads its model shard(s), reports ``("ready", pid, info)`` to the engine
 (:func:`ready_info`: its device, collective backend and CUDA graphs), and then
 either leads its group (runs a decoding loop of :mod:`swiftspec.spec_decode.scheduler` per request) or follows
-its leader's mirrored model calls. Any exception is reported as ``("error", traceback)`` before
-the process exits, so the engine can raise it instead of hanging.
+its leader's mirrored model calls. An exception while a lone leader serves a request is that
+request's: reported as ``("failed", kind, "Type: message")``, and the leader waits for the next
+request. Any other exception is reported as ``("error", traceback)`` before the process exits, so
+the engine can raise it instead of hanging.
 """
 from __future__ import annotations
 
@@ -244,6 +246,11 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
     def emit(tokens, t, logprobs):
         engine.send(("tokens", tokens, t, logprobs))
 
+    # a request that raises is answered ("failed", kind, "Type: message") and the next one starts
+    # with its own prefill, where this leader alone holds the request's state: with followers, a
+    # peer group or pipeline stages mid-protocol, the error ends the worker (the engine restarts)
+    recoverable = not followers and peer is None and spec.stages == 1
+
     try:
         while True:
             msg = engine.recv()
@@ -259,7 +266,13 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 draft.replay = req.replay
             # mid-request, the only message the engine sends is a cancel
             stop = scheduler.StopChecker(req, decode, cancelled=engine.poll)
-            st = loop.run(req, emit, stop)
+            try:
+                st = loop.run(req, emit, stop)
+            except Exception as e:  # noqa: BLE001 - this request's error; the worker serves the next one
+                if not recoverable:
+                    raise
+                engine.send(("failed", spec.kind, f"{type(e).__name__}: {e}"))
+                continue
             engine.send(("done", spec.kind, st, {role: r.stats() for role, r in runners.items()}))
     finally:
         for c in followers:

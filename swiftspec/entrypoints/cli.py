@@ -67,6 +67,10 @@ def _env_int(name: str) -> int | None:
     return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
 
 
+def _str_list(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
 def _int_list(s: str) -> list[int]:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
@@ -141,13 +145,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``swiftspec serve``: the OpenAI-compatible HTTP server on ``--host``:``--port``, serving the
-    engine under ``--served-model-name`` (default: the target's directory name) until interrupted.
-    Returns 0."""
+    engine under ``--served-model-name`` (default: the target's directory name) until interrupted,
+    with the request limits and browser/key checks of its flags. Returns 0."""
+    from swiftspec.entrypoints.http_guard import ServerOptions
+    from swiftspec.entrypoints.openai_protocol import Limits
     from swiftspec.entrypoints.server import serve
     from swiftspec.weights.loader import resolve_model
 
     name = args.served_model_name or resolve_model(args.target, "target", args.cache_dir).name
-    serve(lambda: make_engine(args), name, args.host, args.port, args.max_queue, args.api_key)
+    opts = ServerOptions(api_key=args.api_key or os.environ.get("SWIFTSPEC_API_KEY") or None, bind_host=args.host,
+                         allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
+                         limits=Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+                                       max_stop_chars=args.max_stop_chars),
+                         write_timeout_s=args.write_timeout, max_connections=args.max_connections,
+                         special_tokens_in_messages=args.special_tokens_in_messages)
+    serve(lambda: make_engine(args), name, args.port, args.max_queue, opts)
     return 0
 
 
@@ -188,7 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one decodes; more get 429")
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (default: $SWIFTSPEC_API_KEY); "
+                    "without one, browser requests from other sites are refused")
+    sv.add_argument("--allowed-hosts", type=_str_list, default=[], help="comma-separated Host names accepted "
+                    "without a key besides the bind address and localhost (behind a proxy; * = any)")
+    sv.add_argument("--allowed-origins", type=_str_list, default=[], help="comma-separated browser Origins "
+                    "(scheme://host[:port]) accepted without a key (* = any)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    sv.add_argument("--max-messages", type=int, default=1024, help="chat messages per request")
+    sv.add_argument("--max-stop-chars", type=int, default=512, help="characters per stop string")
+    sv.add_argument("--write-timeout", type=float, default=30.0,
+                    help="seconds a stream's write may wait for a client that stops reading before it is cut off")
+    sv.add_argument("--max-connections", type=int, default=64, help="open connections; more get 503")
+    sv.add_argument("--special-tokens-in-messages", action="store_true",
+                    help="parse special-token text in chat message contents as control tokens (default: as text)")
     sv.add_argument("--served-model-name", help="the model id clients send (default: the target's directory name)")
     _add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)

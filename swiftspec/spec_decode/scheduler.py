@@ -95,6 +95,9 @@ class StopChecker:
         self.cancelled = cancelled
         self.ids: list[int] = []
         self.reason: str | None = None
+        # characters of the text's end a new stop string can lie in, plus a cut first character's
+        # replacement characters (up to 3) and a leading space a decoder drops
+        self.need = max((len(s) for s in req.params.stop), default=0) + 4
 
     def push(self, new: list[int]) -> list[int]:
         """Append ``new`` tokens; return the ones kept. Sets ``reason`` ("stop"/"length") when done."""
@@ -115,7 +118,14 @@ class StopChecker:
         return kept
 
     def _hit_stop_string(self) -> bool:
-        tail = self.decode(self.ids[-64:])  # stop strings are short; decoding the tail keeps it O(1)
+        """Whether the text ends in a stop string: decodes the last 64 tokens, doubled until the
+        text holds more than the longest stop string (tokens that decode to nothing, special
+        ones, make it short), so the work per token is O(stop length), not O(generated)."""
+        n = 64
+        tail = self.decode(self.ids[-n:])
+        while len(tail) <= self.need and n < len(self.ids):
+            n *= 2
+            tail = self.decode(self.ids[-n:])
         return any(s in tail for s in self.req.params.stop)
 
     @property
