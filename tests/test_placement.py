@@ -130,9 +130,10 @@ def test_a_core_named_by_both_groups_is_one_core():
 
 
 def _pinned_threads(cores: list[int], threads: int) -> tuple[set[int], int]:
+    from swiftspec.engine.config import EngineConfig
     from swiftspec.engine.worker import WorkerSpec, pin
 
-    pin(WorkerSpec(rank=0, world_size=1, port=0, groups=[[0]], group=0, models={}, kind="serial", cores=cores,
+    pin(WorkerSpec(config=EngineConfig(), rank=0, world_size=1, port=0, groups=[[0]], group=0, models={}, kind="serial", cores=cores,
                    threads=threads))
     return os.sched_getaffinity(0), torch.get_num_threads()
 

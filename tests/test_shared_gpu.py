@@ -62,12 +62,14 @@ def test_worker_captures_graphs_at_tp2_only_on_ll():
 
 def test_ready_info_names_the_backend_graphs_and_device():
     step = SimpleNamespace(graphs={1: None, 2: None, 4: None})
-    runners = {"target": SimpleNamespace(step=step), "draft": SimpleNamespace(step=None)}
+    runners = {"target": SimpleNamespace(step=step, model=torch.nn.Module()),
+               "draft": SimpleNamespace(step=None, model=torch.nn.Module())}
     info = ready_info(_spec(), TPContext(rank=1, size=2, shm=FakeComm("ll", epoch=7), control="gloo"), runners)
     assert info["pid"] == os.getpid() and info["device"] == "cuda:0" and info["tp"] == 2 and info["group_rank"] == 1
     assert (info["comm_backend"], info["control_backend"], info["ll_epochs"]) == ("ll", "gloo", 7)
     assert info["cuda_graphs"] == {"target": 3, "draft": 0} and info["graph_ban"] is None
-    info = ready_info(_spec(), TPContext(size=2, control="nccl"), {"target": SimpleNamespace(step=None)})
+    assert info["quant_layout_rows"] == {"target": [], "draft": []} and info["kernels"] is None  # on CUDA
+    info = ready_info(_spec(), TPContext(size=2, control="nccl"), {"target": SimpleNamespace(step=None, model=torch.nn.Module())})
     assert info["comm_backend"] == "nccl" and "eagerly" in info["graph_ban"] and info["ll_epochs"] is None
     json.dumps(info)  # it travels to the engine and into reports
 
