@@ -267,9 +267,14 @@ def test_interleaved_equals_plain_bit_for_bit(t, rows):
     x = torch.randn(rows, k)
     plain = m.quant_linear(x, [w], [t], "scalar")
     torch.testing.assert_close(plain, quant.reference_linear(x, [w], [t]), rtol=1e-4, atol=1e-4)
-    for impl in m.quant_impls():  # the SIMD ones read the interleaved bytes with their own offsets
-        assert torch.equal(m.quant_linear(x, [wx], [t | quant.X8], impl), plain), impl
-        assert torch.equal(m.quant_linear(x, [w], [t], impl), plain), impl
+    try:  # with and without the 8-row kernels' prefetch (a run-time choice): the same bits
+        for prefetch in (0, 1):
+            m.quant_set_prefetch(prefetch)
+            for impl in m.quant_impls():  # the SIMD ones read the interleaved bytes with their own offsets
+                assert torch.equal(m.quant_linear(x, [wx], [t | quant.X8], impl), plain), (impl, prefetch)
+                assert torch.equal(m.quant_linear(x, [w], [t], impl), plain), (impl, prefetch)
+    finally:
+        m.quant_set_prefetch(-1)
     # fused with plain parts (a Q6_K or Q8_0 v of a fused QKV), and the bf16 activations path
     tv = int(Q.Q6_K) if quant.block_values(t) == 256 else int(Q.Q8_0)
     wv = random_blocks(tv, 8, k, seed=7)
