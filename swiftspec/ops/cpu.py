@@ -79,11 +79,17 @@ def module_name(flag_bits: int | None = None) -> str:
     return name if arch == "native" else f"{name}_{re.sub(r'[^A-Za-z0-9]', '_', arch)}"
 
 
+def cache_root() -> Path:
+    """The kernels' cache root (builds, kernel-tuning profiles): ``$SWIFTSPEC_CACHE``, default
+    ``~/.cache/swiftspec``."""
+    return Path(os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec"))
+
+
 def build_dir(tag: str) -> Path:
     """The CPU extension's build directory for ``tag`` (created if missing):
     ``$SWIFTSPEC_CACHE/build/<tag>-<machine>-<hash of the CPU flags>`` (default cache
     ``~/.cache/swiftspec``), so ``-march=native`` code is never reused on another CPU model."""
-    root = Path(os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec"))
+    root = cache_root()
     # -march=native code must not be reused on a different CPU model
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
     d = root / "build" / f"{tag}-{platform.machine()}-{cpu}"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.ops.cpu import CSRC  # the package's _csrc/ (installed) or the checkout's csrc/
+from swiftspec.ops.cpu import CSRC, cache_root  # the package's _csrc/ (installed) or the checkout's csrc/
 
 KERNELS = CSRC / "kernels"
 INCLUDE = CSRC / "include"
@@ -143,11 +143,6 @@ def _run(cmd: list[str]) -> str:
 @functools.lru_cache(maxsize=None)
 def _nvcc_version(nvcc: str) -> str:
     return _run([nvcc, "--version"])
-
-
-def cache_root() -> Path:
-    """The cache root: ``$SWIFTSPEC_CACHE``, default ``~/.cache/swiftspec``."""
-    return Path(os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec"))
 
 
 def build_dir(flag_bits: int | None = None, *, root: Path | None = None,

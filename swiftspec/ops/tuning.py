@@ -153,8 +153,9 @@ def profile_key(weights: list[TuneWeight], build: str, cpu: dict | None = None) 
 def profile_path(key: str) -> Path:
     """``$SWIFTSPEC_KERNEL_PROFILES/<key>.json``, by default under
     ``$SWIFTSPEC_CACHE/kernel_tuning`` (``~/.cache/swiftspec``)."""
-    root = os.environ.get("SWIFTSPEC_KERNEL_PROFILES") or Path(
-        os.environ.get("SWIFTSPEC_CACHE", Path.home() / ".cache" / "swiftspec")) / "kernel_tuning"
+    from swiftspec.ops.cpu import cache_root
+
+    root = os.environ.get("SWIFTSPEC_KERNEL_PROFILES") or cache_root() / "kernel_tuning"
     return Path(root) / f"{key}.json"
 
 
