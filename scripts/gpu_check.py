@@ -63,12 +63,14 @@ def shapes(memory_gib: float) -> tuple[list[str], str]:
     return ["qwen2.5-coder-1.5b-instruct"], "qwen2.5-coder-1.5b-instruct"
 
 
-def stage_commands(stage: str, work: Path, py: str, memory_gib: float, prompts: int) -> list[list[str]]:
-    """The commands of one stage, run in order (each gets what is left of the stage's budget)."""
+def stage_commands(stage: str, work: Path, py: str, memory_gib: float, prompts: int,
+                   tests: list[str] | None = None) -> list[list[str]]:
+    """The commands of one stage, run in order (each gets what is left of the stage's budget);
+    ``tests``: the test files of the ``tests`` stage (default: every CUDA test file)."""
     steps, e2e_target = shapes(memory_gib)
     if stage == "tests":
-        return [[py, "-m", "pytest", "-q", "-rs", *CUDA_TESTS, "--junitxml", str(work / "cuda-tests.xml"),
-                 "--durations", "15"]]
+        return [[py, "-m", "pytest", "-q", "-rfEs", *(tests or CUDA_TESTS), "--junitxml",
+                 str(work / "cuda-tests.xml"), "--durations", "15"]]
     if stage == "steps":
         return [[py, "bench/device_forward.py", "--device", "cuda", "--capacity", "4104", "--rows", "1", "2", "4", "8",
                  "16", "--rounds", "10", "--models", *steps, DRAFT, "--out", str(work / "gpu-steps.json")]]
@@ -137,8 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     ap.add_argument("--budget", type=float, default=470, help="seconds for the whole run (default 470)")
     ap.add_argument("--prompts", type=int, default=1, help="prompts per dataset in the e2e stage (default 1)")
+    ap.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=S",
+                    help="seconds for a stage instead of its default (tests=110 steps=70 e2e=190 multiproc=100)")
+    ap.add_argument("--tests", nargs="+", default=None, metavar="FILE",
+                    help="test files of the tests stage (default: every CUDA test file)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     args = ap.parse_args(argv)
+    budgets = dict(BUDGETS)
+    for item in args.stage_budget:
+        stage, _, seconds = item.partition("=")
+        if stage not in budgets or not seconds.replace(".", "", 1).isdigit():
+            ap.error(f"--stage-budget takes STAGE=SECONDS with a stage of {', '.join(STAGES)}, got {item!r}")
+        budgets[stage] = float(seconds)
     start = time.monotonic()
     out = args.out.resolve()
     work = out.parent / f"{out.name}-work"
@@ -157,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         for stage in args.stages:
             t0 = time.monotonic()
             codes = []
-            for cmd in stage_commands(stage, work, env_py, memory, args.prompts):
-                left = min(BUDGETS[stage] - (time.monotonic() - t0), args.budget - (time.monotonic() - start))
+            for cmd in stage_commands(stage, work, env_py, memory, args.prompts, args.tests):
+                left = min(budgets[stage] - (time.monotonic() - t0), args.budget - (time.monotonic() - start))
                 if left < 5:
                     codes.append("skipped")
                     continue

@@ -126,6 +126,19 @@ def test_bad_inputs(tiny_dir, tiny_draft_dir, tmp_path):
         assert out.finish_reason == "length" and len(out.token_ids) == 12  # clamped to the context
 
 
+@pytest.mark.parametrize("mode", ["serial", "async"])
+def test_draft_of_a_smaller_vocabulary(tiny_dir, tmp_path, reference, mode):
+    """The target emits ids the draft has no embedding for (as Qwen2.5-32B's 152064 rows over its
+    0.5B draft's 151936): the request and the workers live, and greedy output is the target's."""
+    from conftest import build_tiny_model
+
+    small = build_tiny_model(tmp_path / "small-vocab", "qwen2", seed=1, vocab=98)
+    assert max(reference.token_ids) >= 98, "the target's greedy output must leave the draft's vocabulary"
+    with Engine(tiny_dir, small, mode=mode, dtype="float32") as eng:
+        assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+        assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids  # the workers lived on
+
+
 def test_mismatched_tokenizers(tiny_dir, tmp_path):
     from conftest import build_tiny_model
     from transformers import AutoTokenizer

@@ -116,6 +116,11 @@ class ModelRunner:
         on CPU it runs here, to completion."""
         t0 = time.perf_counter()
         dev = self.device
+        # A target's token past this model's embedding (a draft of a smaller vocabulary: Qwen2.5's
+        # 0.5B has 151936 rows, its 32B 152064) enters as the last row: the draft guesses worse
+        # after it, the target still verifies every token; an index past the table would stop a
+        # CPU request with IndexError and a GPU process with a device-side assert.
+        input_ids = input_ids.clamp(max=self.cfg.vocab_size - 1)
         with self._on_stream():
             timing = None
             if dev.type == "cuda":
