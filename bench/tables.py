@@ -234,7 +234,10 @@ def _machine(record: dict, records: list[dict]) -> str:
     datasets = list(dict.fromkeys(r["dataset"] for r in ar))
     per = len(ar) // len(datasets)
     stored = {r["engine"]["weights"] for r in records if r.get("engine")}
-    weights = ("random weights of the default pair's shapes, the default pair's recorded acceptance replayed"
+    shapes = [re.search(rf"--{flag}-config (\S+)", record["command"]) for flag in ("target", "draft")]
+    pair = (" / ".join(f"`{m_.group(1)}`" if m_ else "the default's" for m_ in shapes) + " shapes"
+            if any(shapes) else "the default pair's shapes")
+    weights = (f"random weights of {pair}, the default pair's recorded acceptance replayed"
                if any(r.get("replayed") for r in records) else
                "GGUF weights as stored" if stored == {"native"} else f"weights {', '.join(sorted(stored))}")
     dtype = ", ".join(sorted({r["dtype"] for r in records}))

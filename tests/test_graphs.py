@@ -61,9 +61,7 @@ def test_padded_step_rejects_bad_input():
 def test_cuda_graph_replay_equals_eager(tiny_dir):
     dev = torch.device("cuda")
     model = load_model(str(tiny_dir), dtype=torch.float32).to(dev)
-    kv_eager, kv_graph = model.make_kv_cache(CAP), model.make_kv_cache(CAP)
-    for kv in (kv_eager, kv_graph):
-        kv.buf = kv.buf.to(dev)
+    kv_eager, kv_graph = model.make_kv_cache(CAP, dev), model.make_kv_cache(CAP, dev)
     to = (lambda f: (lambda *a: f(*(t.to(dev) for t in a))))
     eager = _run(model, to(lambda *a: model(*a, kv_eager)), kv_eager)
     step = PaddedStep(lambda i, p, s, m, n: model(i, p, s, m, kv_graph, n), sizes=[4], capacity=CAP, device=dev)
