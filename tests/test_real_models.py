@@ -85,11 +85,16 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+# serial (the default's speculative mode) on every dataset; async and ngram on three each, every
+# dataset through two modes: all three on all six took a third longer and proves no more
+GREEDY_RUNS = {"serial": DATASETS, "async": DATASETS[:3], "ngram": DATASETS[3:]}
+
+
 def test_greedy_equals_autoregressive_on_six_datasets(pair, reference):
     """128 greedy tokens per dataset (first prompt, chat template), default configuration (native
-    GGUF weights, kernels on): ``serial``, ``async`` (the target on one core, the reference on
-    two) and ``ngram`` (what ``auto`` runs with the AVX2 kernel) give exactly the target's own
-    output, no near-tie allowance: every op of a decode step is batch invariant and thread-count
+    GGUF weights, kernels on): ``serial`` on all six datasets, ``async`` (the target on one core,
+    the reference on two) on three and ``ngram`` (what ``auto`` runs with the AVX2 kernel) on the
+    other three give exactly the target's own output, no near-tie allowance: every op of a decode step is batch invariant and thread-count
     invariant (quantized GEMM, tree attention, RMSNorm). The log-probabilities the target reports
     (and their alternatives) are bit-identical too. The ``serial`` engine also answers a coding
     question sensibly (a function with a return), with the draft's proposals accepted."""
@@ -99,18 +104,18 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair, reference):
     prompts = _first_prompts()
     params = SamplingParams(max_tokens=128, logprobs=2)
     outs = {}
-    for name in ("serial", "async", "ngram"):
+    for name, datasets in GREEDY_RUNS.items():
         with Engine(target, draft, mode=name) as eng:
-            outs[name] = {ds: eng.generate([{"role": "user", "content": p}], params) for ds, p in prompts.items()}
+            outs[name] = {ds: eng.generate([{"role": "user", "content": prompts[ds]}], params) for ds in datasets}
             if name == "serial":
                 answer = eng.generate([{"role": "user", "content": "Write a Python function that returns the square "
                                         "of x."}], SamplingParams(max_tokens=48))
     assert "def " in answer.text and "return" in answer.text
     assert answer.metrics.compression_ratio > 1.5
     # the draft proposes on every dataset; prompt lookup where the answer repeats its context
-    assert max(outs["ngram"][ds].metrics.compression_ratio for ds in DATASETS) > 1.3
-    for name in ("serial", "async", "ngram"):
-        for ds in DATASETS:
+    assert max(outs["ngram"][ds].metrics.compression_ratio for ds in GREEDY_RUNS["ngram"]) > 1.3
+    for name, datasets in GREEDY_RUNS.items():
+        for ds in datasets:
             a, b = reference[ds].token_ids, outs[name][ds].token_ids
             assert name == "ngram" or outs[name][ds].metrics.compression_ratio > 1.5, (name, ds)
             assert a == b, f"{name}, {ds}: differs from the target at token {_first_difference(a, b)}"

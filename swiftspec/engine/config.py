@@ -277,8 +277,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
     measures the GPU layouts, ``colocated`` included); the CPU rule does not apply. Without a
     profile: with two GPUs or more ``async`` (one group per GPU set, the paper's layout); on one
     GPU ``autoregressive``, since with the default pair's shapes a draft forward costs about two
-    thirds of a target step and no compression the pair reaches pays for it (docs/gpu.md, records
-    ``bench/results/gpu-*``); ``colocated`` and ``serial`` run when asked for.
+    thirds of a target step and no compression the pair reaches pays for it, while with a target
+    64 times its draft (32B over 0.5B) ``colocated`` decoded 1.5-1.75x faster than the target alone
+    (docs/gpu.md, records ``bench/results/gpu-*``): which side of that line a pair falls on is
+    measured by ``swiftspec profile``; ``colocated`` and ``serial`` run when asked for.
 
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
@@ -299,7 +301,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
             return "async", f"auto: {gpus} GPUs, a draft group and a target group (run `swiftspec profile` to measure)", {}
         return "autoregressive", ("auto: one GPU and no `swiftspec profile` of this pair on it yet; on the default "
                                   "pair's shapes a draft forward costs about two thirds of a target step, where no "
-                                  "speculation pays (docs/gpu.md)"), {}
+                                  "speculation pays, while a target many times its draft's size gains from "
+                                  "`colocated` (docs/gpu.md): `swiftspec profile` measures it here"), {}
     nodes, cores = _numa_nodes(), len(_available_cores())
     if nodes >= 2 and cores >= 2:
         return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}
