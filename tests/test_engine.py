@@ -165,6 +165,31 @@ def test_killed_worker_raises_quickly(tiny_dir, tiny_draft_dir, victim):
     eng.close()  # idempotent
 
 
+def test_frozen_worker_is_found_by_the_progress_deadline(tiny_dir):
+    """A worker stopped mid-request (SIGSTOP: alive, silent) fails the request with WorkerError
+    once the progress deadline passes, and leaves no process behind; a guard resumes the worker
+    after a minute, so without the deadline the stream ends normally and the test fails."""
+    import threading
+
+    eng = Engine(tiny_dir, mode="autoregressive", dtype="float32", max_model_len=2048, progress_timeout_s=2)
+    pids = eng.pids
+    it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+    next(it)
+    os.kill(pids[0], signal.SIGSTOP)
+    guard = threading.Timer(60, lambda: pid_alive(pids[0]) and os.kill(pids[0], signal.SIGCONT))
+    guard.start()
+    try:
+        with pytest.raises(WorkerError, match="made no progress"):
+            for _ in it:
+                pass
+    finally:
+        guard.cancel()
+    time.sleep(0.3)
+    assert not any(pid_alive(p) for p in pids)
+    with pytest.raises(ValueError, match="progress_timeout_s"):
+        Engine(tiny_dir, mode="autoregressive", progress_timeout_s=0)
+
+
 def test_worker_killed_mid_generation(tiny_dir, tiny_draft_dir):
     eng = Engine(tiny_dir, tiny_draft_dir, mode="async", dtype="float32", max_model_len=2048)
     pids = eng.pids

@@ -113,6 +113,12 @@ class EngineConfig:
             ``RuntimeError`` when the workers start. Measured on an H100 (bench/RESULTS.md, the
             H100 table): 32 SMs made ``colocated`` 0.90x as fast as without a partition.
         start_timeout_s: seconds to wait for the workers to load their models.
+        progress_timeout_s: seconds a running request may go without a message from its workers
+            (tokens, its end) before they count as stuck (a frozen or hung process; a dead one is
+            seen at once): the engine closes and raises ``WorkerError`` (the server then restarts
+            it). Before the first token the allowance grows by one second per
+            :data:`PREFILL_TOKENS_PER_S` prompt tokens, so a long prompt's prefill does not trip it.
+            None: no deadline.
     """
 
     mode: str = "auto"
@@ -150,8 +156,11 @@ class EngineConfig:
     draft_payback: bool | None = None
     draft_sms: int | None = None
     start_timeout_s: float = 600.0
+    progress_timeout_s: float | None = 120.0
 
     def __post_init__(self):
+        if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
+            raise ValueError(f"progress_timeout_s must be positive or None, got {self.progress_timeout_s!r}")
         custom = tuple(m for m in registered() if m not in MODES and m not in ("target", "draft"))
         if self.mode != "auto" and self.mode not in MODES + custom:
             raise ValueError(f"mode must be auto or one of {MODES + custom}, got {self.mode!r}")
@@ -322,6 +331,11 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
                                   f"blocks ({isa}), where the draft's expansions cost more than the tokens they save"), {}
     return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async", {}
 
+
+# Prompt tokens per second of prefill the progress deadline allows for before the first token
+# (EngineConfig.progress_timeout_s): a tenth of the slowest prefill in bench/RESULTS.md (the 1.5B
+# target on two CPU cores prefills a few hundred tokens a second), so only a stuck worker trips it.
+PREFILL_TOKENS_PER_S = 16
 
 # The tree shape of the built-in rule's shallow serial mode (choose_mode): verify the root and
 # the draft's best child, one draft expansion per verification.

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 from swiftspec.engine.config import (  # noqa: F401
     MODES,
     PIPELINE_MODES,
+    PREFILL_TOKENS_PER_S,
     SHALLOW_TREE,
     TARGET_ONLY_MODES,
     WEIGHT_FORMATS,
@@ -540,7 +541,12 @@ class Engine:
     def _receive(self, req: Request, st: "_Collected", conns: list[Connection],
                  nowait: bool = False) -> Iterator[StreamChunk | None]:
         st.expect_done = set(self._leader_conns)
+        last = time.monotonic()
         for msg in self._messages(conns, nowait):
+            if msg[0] in ("would_block", "tick"):
+                self._check_progress(time.monotonic() - last, len(req.prompt_ids) if not st.tokens else 0)
+            else:
+                last = time.monotonic()
             if msg[0] == "would_block":
                 yield None
             elif msg[0] == "tokens":
@@ -562,6 +568,19 @@ class Engine:
             elif msg[0] == "failed":  # this request's error; other leaders still in it are cancelled
                 st.expect_done.discard(msg[1])
                 raise RequestError(msg[2])
+
+    def _check_progress(self, silent_s: float, prefill_tokens: int) -> None:
+        """Fail (close, ``WorkerError``) when the running request's workers have sent nothing for
+        longer than ``config.progress_timeout_s`` (plus the prefill allowance of
+        ``prefill_tokens`` prompt tokens before the first token; see :class:`EngineConfig`)."""
+        limit = self.config.progress_timeout_s
+        if limit is None:
+            return
+        limit += prefill_tokens / PREFILL_TOKENS_PER_S
+        if silent_s > limit:
+            names = ", ".join(f"{p.name} (pid {p.pid})" for p in self._procs)
+            self._fail(f"the workers made no progress for {silent_s:.0f} s (limit {limit:.0f} s): a frozen or "
+                       f"hung worker among {names}")
 
     def _cancel(self, expect_done: set[str], conns: list[Connection]) -> None:
         """Stop the running request and drain its messages, so the next request starts clean."""
