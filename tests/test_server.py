@@ -230,6 +230,58 @@ def test_queue_limit_gives_429():
     asyncio.run(scenario())
 
 
+class _SilentEngine:
+    """An engine whose request never produces a chunk (a long prefill); it records its cancellation."""
+
+    def __init__(self):
+        self.read_end, self.write_end = os.pipe()  # never written: the stream never becomes readable
+        self.cancelled = False
+
+    def wait_fds(self):
+        return [self.read_end]
+
+    def stream(self, ids, params, nowait=False):
+        try:
+            while True:
+                yield None
+        finally:
+            self.cancelled = True
+
+
+def test_a_client_that_left_costs_no_engine_time():
+    """A request whose client left while it waited is answered 499 in its turn without being
+    encoded; one whose client leaves during its prefill is cancelled in the engine."""
+    engine = _SilentEngine()
+    host = EngineHost(lambda: engine)
+    encoded = []
+
+    def encode(eng):
+        encoded.append(eng)
+        return [1, 2, 3]
+
+    async def gone():
+        return True
+
+    async def left_during_prefill():
+        return len(asked) > 1 or bool(asked.append(1))
+
+    async def scenario():
+        await host._lock.acquire()  # another request decoding
+        queued = asyncio.create_task(anext(host.run(encode, SamplingParams(), gone), None))
+        await asyncio.sleep(0)
+        host._lock.release()
+        with pytest.raises(APIError) as e:
+            await queued
+        assert e.value.status == 499 and encoded == [] and not engine.cancelled
+        assert await anext(host.run(encode, SamplingParams(), left_during_prefill), None) is None
+        assert encoded == [engine] and engine.cancelled
+
+    asked: list[int] = []
+    asyncio.run(scenario())
+    os.close(engine.read_end)
+    os.close(engine.write_end)
+
+
 def test_dead_worker_gives_503_and_the_engine_restarts(server):
     import httpx
 

@@ -21,7 +21,7 @@ and ``/health`` answers 503 ``{"status": "restarting"}`` meanwhile.
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from swiftspec.entrypoints.openai_protocol import APIError
 
@@ -141,16 +141,23 @@ class EngineHost:
         self.metrics.restart_s.set(dt)
         print(f"swiftspec serve: engine restarted after a worker died ({dt:.1f} s)", flush=True)
 
-    async def run(self, encode: Callable[[object], list[int]], params) -> AsyncIterator:
+    async def run(self, encode: Callable[[object], list[int]], params,
+                  is_gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
         """Yield the engine's :class:`~swiftspec.engine.llm_engine.StreamChunk` s for one request,
         after waiting for its turn. ``encode(engine)`` gives the prompt's token ids (run in a
         thread, in the request's turn). Stopping the iteration (a disconnected client) cancels it.
+        ``is_gone()`` (the client disconnected?) is asked when the turn comes and at least every
+        second while no chunk arrives (the prefill), so a client that left while queued or before
+        its first token costs no more of the engine.
 
         Raises:
             APIError: 429 (queue full), 400 (the prompt could not be encoded, or the engine refused
-                it or the parameters), 500 (the request failed; the engine serves on), 503 (a
-                worker died: the engine is restarted before the slot is released)."""
+                it or the parameters), 499 (the client left before its turn), 500 (the request
+                failed; the engine serves on), 503 (a worker died: the engine is restarted before
+                the slot is released)."""
         async with self.slot():
+            if is_gone is not None and await is_gone():
+                raise APIError(499, "the client disconnected while its request waited for the engine")
             loop = asyncio.get_running_loop()
             engine = self.engine
             try:
@@ -161,7 +168,7 @@ class EngineHost:
                 raise APIError(400, f"the prompt could not be encoded ({type(e).__name__}: {e})", "messages") from e
             error = None
             try:
-                async with contextlib.aclosing(self._chunks(engine, ids, params)) as chunks:
+                async with contextlib.aclosing(self._chunks(engine, ids, params, is_gone)) as chunks:
                     async for chunk in chunks:
                         yield chunk
             except Exception as e:  # noqa: BLE001 - classified below
@@ -169,14 +176,17 @@ class EngineHost:
             if error is not None:
                 raise self._classify(error)
 
-    async def _chunks(self, engine, ids: list[int], params) -> AsyncIterator:
-        """The engine's stream of one request, driven from the event loop (see the module docstring)."""
+    async def _chunks(self, engine, ids: list[int], params,
+                      is_gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
+        """The engine's stream of one request, driven from the event loop (see the module
+        docstring); it ends early (the request cancelled) once ``is_gone()`` says the client left."""
         import anyio
 
         loop = asyncio.get_running_loop()
         gen = engine.stream(ids, params, nowait=True)
         ready = asyncio.Event()  # a worker wrote to its pipe, or exited
         fds = engine.wait_fds()
+        asked = time.monotonic()
         for fd in fds:
             loop.add_reader(fd, ready.set)
         try:
@@ -187,6 +197,10 @@ class EngineHost:
                 ready.clear()
                 with anyio.move_on_after(1.0):  # resumed at least every second: a dead worker is noticed
                     await ready.wait()
+                if is_gone is not None and time.monotonic() - asked >= 1.0:
+                    asked = time.monotonic()
+                    if await is_gone():
+                        return  # the finally cancels the request in the workers
         finally:
             for fd in fds:
                 loop.remove_reader(fd)

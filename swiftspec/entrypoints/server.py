@@ -95,13 +95,13 @@ class _App:
         error, before the 200 header goes out)."""
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         token_text = oai.TokenText(self.host.engine.tokenizer) if params.logprobs is not None else None
-        gen = self.host.run(encode, params)
+        gen = self.host.run(encode, params, request.is_disconnected)
         if not stream:
             return await self.reply(request, endpoint, gen, rid, chat, token_text)
         try:
             first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
+        except StopAsyncIteration:  # ended before its first chunk: the client left during the prefill
+            raise APIError(499, "the client disconnected before the first token") from None
         return timed_stream(self.events(endpoint, gen, first, rid, chat, token_text, include_usage),
                             self.opts.write_timeout_s)
 
@@ -118,6 +118,8 @@ class _App:
                 elif await request.is_disconnected():
                     await gen.aclose()  # cancels the request; frees the engine
                     return PlainTextResponse("", status_code=499)
+        if out is None:  # ended without its output: the client left during the prefill
+            return PlainTextResponse("", status_code=499)
         self.metrics.record(out)
         self.metrics.requests.labels(endpoint, "200").inc()
         make = oai.chat_response if chat else oai.completion_response
