@@ -21,6 +21,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a minute")
 
 
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Every test leaves the pytest process's intra-op threads and CPU affinity as it found them:
+    the kernel benchmarks set the thread count per case, and a test after them would otherwise
+    run its in-process models on one thread."""
+    threads = torch.get_num_threads()
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if cores is not None and os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
+
+
 def build_tokenizer(out_dir: Path):
     """A character-level fast tokenizer: 3 special tokens + printable ASCII (98 tokens)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
