@@ -13,7 +13,8 @@ Every record kind the benchmarks write is recognised by its shape:
 * ``swiftspec generate --json`` (the README command): one line;
 * ``bench/server_load.py soak|overhead --out``: the soak's counts, memory and restart, or the
   server's added TTFT and tokens/s ratio against direct engine calls;
-* ``bench/shared_core.py --out`` (one run, or several under ``runs``): tokens/s per core layout.
+* ``bench/shared_core.py --out`` (one run, or several under ``runs``): tokens/s per core layout;
+* ``scripts/gpu_probe.py --out``: each multi-process GPU check's status.
 
 Generated blocks: in README.md and bench/RESULTS.md every measured number stands between two
 markers that name what produced it, ``KIND FILE [FILE ...]`` (files under bench/results/)::
@@ -67,6 +68,8 @@ def render(record) -> str:
                          + ["| " + " | ".join(r[c] for c in cols) + " |" for r in record["table"]])
     if isinstance(record, list) and record and "system" in record[0]:
         return report.markdown(record)
+    if isinstance(record, dict) and str(record.get("probe", "")).startswith("swiftspec scripts/gpu_probe.py"):
+        return _probe(record)
     if isinstance(record, dict) and "cases" in record:
         return kernels.summary_table(record["cases"])
     if isinstance(record, dict) and record.get("rows") and "limit_s" in record["rows"][0]:  # bench/device_forward.py
@@ -176,6 +179,16 @@ def _device_forward(record: dict, capacity: set) -> str:
         lines.append(f"| {r['model']} | {r['rows']} | {1e3 * r['eager_s']:.3f} | {graph} | "
                      f"{r.get('vs_one_row', float('nan')):.2f} | {1e3 * r['limit_s']:.3f} | {100 * r['of_limit']:.0f} % | "
                      + (f"{100 * r['of_spec_sheet']:.0f} % |" if "of_spec_sheet" in r else "- |"))
+    return "\n".join(lines)
+
+
+def _probe(record: dict) -> str:
+    """scripts/gpu_probe.py: each check's status (and its reason where it did not pass)."""
+    cuda = record.get("cuda", {})
+    lines = [f"{cuda.get('name', 'no GPU')} ({cuda.get('torch', '?')}), {record['started']}", "",
+             "| check | status | reason |", "|---|---|---|"]
+    for name, check in record["checks"].items():
+        lines.append(f"| {name} | {check.get('status')} | {check.get('reason') or ''} |")
     return "\n".join(lines)
 
 
@@ -344,7 +357,33 @@ def block(spec: str, results: Path = RESULTS) -> str:
         return summary(names, results)
     if kind == "generate":
         return generate_rows(names, results)
-    raise ValueError(f"block {spec!r}: KIND is record (one file), summary or generate")
+    if kind == "steps" and len(names) == 1:
+        return steps(names[0], results)
+    raise ValueError(f"block {spec!r}: KIND is record (one file), summary, generate or steps (one file)")
+
+
+def steps(name: str, results: Path = RESULTS) -> str:
+    """The compact step table of a bench/device_forward.py record with the read-only limit: per
+    model its one-row step (CUDA graph) against the read bandwidth and the spec sheet, and r at
+    the largest row count measured."""
+    rec = _load(name, results)
+    if "bandwidth_method" not in rec:
+        raise ValueError(f"{name}: a steps block needs a record with the read-only bandwidth")
+    models = list(dict.fromkeys(r["model"] for r in rec["rows"]))
+    measured = {r["rows"] for r in rec["rows"]}
+    widest = 8 if 8 in measured else max(measured)  # 8: the verification's bs on a GPU
+    lines = [f"{rec.get('device_name') or rec['device']}, {rec['dtype']}; read bandwidth {rec['bandwidth_gb_s']:.0f} "
+             f"GB/s measured in the same run ({rec['bandwidth_method']}), spec sheet "
+             f"{rec.get('spec_sheet_gb_s') or float('nan'):.0f} GB/s.", "",
+             f"| model | one-row step, graph ms | of read limit | of spec sheet | r at {widest} rows |",
+             "|---|---|---|---|---|"]
+    for m in models:
+        one = next(r for r in rec["rows"] if r["model"] == m and r["rows"] == 1)
+        wide = next(r for r in rec["rows"] if r["model"] == m and r["rows"] == widest)
+        lines.append(f"| `{m}` | {1e3 * one.get('graph_s', one['eager_s']):.2f} | {100 * one['of_limit']:.0f} % | "
+                     f"{100 * one.get('of_spec_sheet', float('nan')):.0f} % | {wide.get('vs_one_row', float('nan')):.2f} |")
+    cmd = re.sub(r" --out \S+", "", rec.get("command") or ("python " + shlex.join(rec["argv"]) if "argv" in rec else ""))
+    return "\n".join(lines + ["", f"Record `bench/results/{name}`" + (f", command: `{cmd}`" if cmd else "")])
 
 
 def regenerate(text: str, results: Path = RESULTS) -> str:
