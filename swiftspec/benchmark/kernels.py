@@ -24,7 +24,7 @@ context 500 and 1000; scaled down where a shape does not fit this machine) plus 
   on dequantized fp32 / bf16 weights (CPU only);
 - ``int8_linear``: the int8 weight-only twin (the draft's layers) vs torch's int8 weight-only kernel
   (``_weight_int8pack_mm``), bf16 activations, 1 / 2 / 4 rows (CPU only);
-- ``attention``: the tree attention (RoPE fused) vs the PyTorch path (``ops._torch_tree_attention``:
+- ``attention``: the tree attention (RoPE fused) vs the PyTorch path (``swiftspec.ops.attention.torch_tree_attention``:
   RoPE, then row by row over the keys each row sees up to 16 rows, SDPA with a materialized mask
   above), 8 queries over 500 / 1000 cached keys.
 
@@ -341,12 +341,12 @@ def quant_linear_cases(threads_list, rounds, iters, rows=(1, 2, 4, 8, 16)) -> li
 # ---- tree attention ----------------------------------------------------------------------
 def attention_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MODELS), n_queries=8) -> list[Case]:
     """Tree attention with fused RoPE (``ops.tree_attention``) against the kernels-off PyTorch path
-    (``ops._torch_tree_attention``): ``n_queries`` tree queries over 500 and 1000 cached keys, the
+    (``swiftspec.ops.attention.torch_tree_attention``): ``n_queries`` tree queries over 500 and 1000 cached keys, the
     rank's heads of every model in ``models`` at TP 1/2/4/8 (head counts that do not divide, and
     Qwen above TP 1, left out), a draft-tree mask (each query sees the context, itself and a random
     earlier node), per dtype and thread count, on ``device``; one :class:`Case` each."""
     from swiftspec import ops
-    from swiftspec.ops import _torch_tree_attention
+    from swiftspec.ops.attention import torch_tree_attention
 
     cases = []
     for dtype in dtypes:
@@ -380,7 +380,7 @@ def attention_cases(dtypes, threads_list, rounds, iters, device, models=tuple(MO
                 for threads in threads_list:
                     torch.set_num_threads(threads)
                     fns = {"ours": lambda: ops.tree_attention(*args),
-                           "PyTorch path (kernels off)": lambda: _torch_tree_attention(*args)}
+                           "PyTorch path (kernels off)": lambda: torch_tree_attention(*args)}
                     t = time_interleaved(fns, rounds, iters, _sync(device))
                     cases.append(Case("tree_attention", f"{name} TP{tp} Hq={hq_l} Hk={hk_l} D={d} "
                                       f"q={n_queries} ctx={ctx}", str(dtype)[6:], threads, t.pop("ours"), t))
