@@ -159,7 +159,6 @@ def backend(t: torch.Tensor) -> str:
     return "torch"
 
 
-
 def set_quant_x8(enabled: bool) -> None:
     """Let GGUF weights built from now on take the interleaved layout (True, the default) or keep
     the plain one (False: benchmarks compare the two side by side)."""

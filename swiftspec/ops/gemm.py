@@ -25,7 +25,6 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(x, w_gate_up)
 
 
-
 # Rows up to which the CPU twin's weight-streaming kernel runs (csrc/cpu/skinny_gemm.h kMaxRows);
 # above it F.linear's GEMM reuses the weights better.
 _SKINNY_MAX_ROWS = 16

@@ -24,7 +24,6 @@ from swiftspec.spec_decode.target_state import TargetState
 STOP = "stop"
 
 
-
 class Channel(Protocol):
     """The async loops' link between the target and draft leaders (a ``multiprocessing`` pipe end
     or :class:`swiftspec.pipeline.worker.LockedConn`)."""
