@@ -5,7 +5,7 @@ token per forward) and ``ngram`` (:func:`run_ngram`, prompt-lookup proposals of
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from swiftspec.model_executor.sampling import Sampler
 from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
