@@ -123,9 +123,9 @@ def main() -> None:
     default_impl = ops.cpu_dispatch()["quant_gemm_variant"]
     named = args.quant_gemm or [default_impl]
     if named == ["all"]:
-        from swiftspec.ops import tuning
+        from swiftspec.ops import dispatch, tuning
 
-        named = tuning.variants(ops._cpu_module().quant_impls())
+        named = tuning.variants(dispatch.cpu_module().quant_impls())
     configs = [("native", True, "x8", impl) for impl in named] * args.repeat
     if not args.only_dispatched:
         configs += [("native", True, "plain", default_impl), ("native", False, "plain", "-"),

@@ -387,7 +387,7 @@ def machine_info() -> dict:
     """The CPU (model, cores, torch) and its SIMD flags, as every record states them."""
     import re
 
-    from swiftspec.benchmark.kernels import machine
+    from swiftspec.benchmark.kernel_timing import machine
 
     flags = sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2", Path("/proc/cpuinfo").read_text())))
     versions = {}

@@ -4,7 +4,7 @@ Every record kind the benchmarks write is recognised by its shape:
 
 * ``swiftspec bench --json`` records (a list of per-prompt dicts): the end-to-end table and the
   compression ratios (``swiftspec.benchmark.report.markdown``);
-* ``bench/kernels.py --json``: the kernel table (``swiftspec.benchmark.kernels.summary_table``);
+* ``bench/kernels.py --json``: the kernel table (``swiftspec.benchmark.kernel_timing.summary_table``);
 * ``bench/native_forward.py --out``: forward time against the machine's read bandwidth;
 * ``bench/device_forward.py --out``: forward time (eager, CUDA-graph replay) against the HBM limit;
 * an end-to-end table kept as ``swiftspec bench`` printed it (``"table"``: its rows), where the
@@ -52,7 +52,7 @@ BEGIN = re.compile(r"<!-- tables:begin ")
 
 def render(record) -> str:
     """The markdown of one record file's content. Raises ValueError for an unknown kind."""
-    from swiftspec.benchmark import kernels, report
+    from swiftspec.benchmark import kernel_timing, report
 
     if isinstance(record, dict) and "records" in record:  # swiftspec bench --out, with its machine
         m = record["machine"]
@@ -71,7 +71,7 @@ def render(record) -> str:
     if isinstance(record, dict) and str(record.get("probe", "")).startswith("swiftspec scripts/gpu_probe.py"):
         return _probe(record)
     if isinstance(record, dict) and "cases" in record:
-        return kernels.summary_table(record["cases"])
+        return kernel_timing.summary_table(record["cases"])
     if isinstance(record, dict) and record.get("rows") and "limit_s" in record["rows"][0]:  # bench/device_forward.py
         # newer records hold the cache's capacity per row, and the replay without the device-side KV length
         capacity = {r["capacity"] for r in record["rows"] if "capacity" in r}

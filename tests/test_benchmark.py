@@ -309,10 +309,10 @@ def test_kernel_bench_rms_norm_cases():
     """bench/kernels.py's rms_norm cases: our op against the PyTorch ops, every requested shape."""
     import torch
 
-    from swiftspec.benchmark import kernels
+    from swiftspec.benchmark import kernel_cases
 
-    cases = kernels.rms_norm_cases([torch.float32], [1], rounds=1, iters=1, device="cpu",
-                                   models=("qwen-0.5b (draft)",), rows=(1, 8))
+    cases = kernel_cases.rms_norm_cases([torch.float32], [1], rounds=1, iters=1, device="cpu",
+                                        models=("qwen-0.5b (draft)",), rows=(1, 8))
     assert [c.shape for c in cases] == ["qwen-0.5b (draft) M=1 H=896", "qwen-0.5b (draft) M=8 H=896"]
     assert all(set(c.summary()["baselines"]) == {"PyTorch ops"} and c.summary()["speedup"]["PyTorch ops"] > 0
                for c in cases)
@@ -324,7 +324,7 @@ def test_kernel_bench_quant_cases():
     import torch
 
     from swiftspec import ops
-    from swiftspec.benchmark import kernels
+    from swiftspec.benchmark import kernel_quant, kernel_timing
     from swiftspec.ops import cpu, quant
 
     try:
@@ -333,13 +333,13 @@ def test_kernel_bench_quant_cases():
         pytest.skip(f"CPU kernels unavailable: {e}")
     g = torch.Generator().manual_seed(1)
     for t in (12, 14, 8, quant.AWQ4):
-        assert torch.isfinite(quant.dequantize(kernels._random_blocks(4, 512, t, g), t)).all()
-    w = kernels._random_blocks(16, 256, quant.AWQ4, g)
-    packed, sz = kernels._torch_int4(w)  # the int4 baseline computes the same layer (bf16 rounding)
+        assert torch.isfinite(quant.dequantize(kernel_quant._random_blocks(4, 512, t, g), t)).all()
+    w = kernel_quant._random_blocks(16, 256, quant.AWQ4, g)
+    packed, sz = kernel_quant._torch_int4(w)  # the int4 baseline computes the same layer (bf16 rounding)
     x = torch.randn(3, 256)
     torch.testing.assert_close(torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz).float(),
                                x @ quant.dequantize(w, quant.AWQ4).T, rtol=0.05, atol=0.05)
-    cases = kernels.quant_linear_cases([1], rounds=1, iters=1, rows=(1,))
+    cases = kernel_quant.quant_linear_cases([1], rounds=1, iters=1, rows=(1,))
     assert len(cases) == 3
     for c in cases:
         s = c.summary()
@@ -355,7 +355,7 @@ def test_kernel_bench_quant_cases():
             "kernels off (int8 x fp32, PyTorch)", "F.linear fp32 dequantized", "F.linear bf16 dequantized"} | int4 \
             | plain == set(s["baselines"])
         assert s["ours_gb_s"] > 0 and s["weight_bytes"] == c.weight_bytes
-    assert "GB/s" in kernels.table(cases)
+    assert "GB/s" in kernel_timing.table(cases)
 
 
 def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):

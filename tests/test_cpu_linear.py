@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftspec import ops as sops
-from swiftspec.ops import cpu, reference
+from swiftspec.ops import cpu, dispatch, reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -215,10 +215,10 @@ class _Spy:
 @pytest.fixture
 def spy(ext, monkeypatch):
     s = _Spy(ext)
-    monkeypatch.setattr(sops, "_cpu_module", lambda: s)
-    monkeypatch.setitem(sops._state, "enabled", True)
+    monkeypatch.setattr(dispatch, "cpu_module", lambda: s)
+    monkeypatch.setitem(dispatch._state, "enabled", True)
     # the routing under test, whatever cpu_dispatch() decides for speed on this CPU
-    monkeypatch.setattr(sops, "_cpu_twin", lambda family: True)
+    monkeypatch.setattr(dispatch, "cpu_twin", lambda family: True)
     return s
 
 

@@ -10,7 +10,7 @@ import torch
 
 from swiftspec import Engine, SamplingParams
 from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
-from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode import target_loops, tree_loops
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState
@@ -54,8 +54,8 @@ def test_runner_on_cuda_equals_autoregressive(tiny_dir, kernels, loop, draft_sms
         target, draft = _states(tiny_dir, streams=loop == "colocated", draft_sms=draft_sms)
         assert target.runner.runner.kv.buf.is_cuda
         req = Request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), 40, (2,), 3, False)
-        ref, _ = _run(scheduler.run_autoregressive, target, req)
-        out, st = _run(getattr(scheduler, f"run_{loop}"), draft, target, req)
+        ref, _ = _run(target_loops.run_autoregressive, target, req)
+        out, st = _run(getattr(tree_loops, f"run_{loop}"), draft, target, req)
         assert out == ref
         assert len(out) / (len(st.accepted) + 1) > 1.5, "an identical draft must be accepted"
     finally:
@@ -71,9 +71,9 @@ def test_each_model_keeps_its_own_attention_workspace(tiny_dir):
     kt, kd = target.runner.runner.kv, draft.runner.runner.kv
     assert kt.workspace is not None and kt.workspace is not kd.workspace
     req = Request(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 12, (2,), 3, False)
-    _run(scheduler.run_colocated, draft, target, req)
+    _run(tree_loops.run_colocated, draft, target, req)
     addresses = (kt.workspace.partials.data_ptr(), kd.workspace.partials.data_ptr())
-    _run(scheduler.run_serial, draft, target, req)
+    _run(tree_loops.run_serial, draft, target, req)
     assert (kt.workspace.partials.data_ptr(), kd.workspace.partials.data_ptr()) == addresses
 
 
@@ -90,7 +90,7 @@ def test_sampled_output_follows_target_distribution_on_cuda(tiny_dir, loop):
     target, draft = _states(tiny_dir, streams=loop == "colocated", w=2, topk=2, bs=4)
     counts = Counter()
     for seed in range(1000):
-        out, _ = _run(getattr(scheduler, f"run_{loop}"), draft, target,
+        out, _ = _run(getattr(tree_loops, f"run_{loop}"), draft, target,
                       Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1, False))
         counts[tuple(out)] += 1
     assert chi_square_pvalue(counts, exact) > 1e-3

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from swiftspec import ops
 from swiftspec.model_executor.kernel_tuning import layout_rows, model_weights, tune_kernels
-from swiftspec.ops import tuning
+from swiftspec.ops import dispatch, tuning
 from swiftspec.weights.loader import convert_gguf
 from tests.test_loader import make_gguf
 
@@ -25,10 +25,10 @@ def gguf_dir(tmp_path_factory):
 
 @pytest.fixture
 def ext():
-    m = ops._cpu_module()
+    m = dispatch.cpu_module()
     if m is None:
         pytest.skip("the CPU kernels are unavailable")
-    before = tuning.current_variant(m), ops._state["quant_source"]
+    before = tuning.current_variant(m), dispatch._state["quant_source"]
     yield m
     ops.set_quant_variant(*before)
 
@@ -63,7 +63,7 @@ def _inject(monkeypatch, m, winner: str) -> list[str]:
 
 
 def _choose(m, weights, rows, build, retune=False):
-    return tuning.choose(m, weights, rows, build, ops._interleave_rows_now, retune)
+    return tuning.choose(m, weights, rows, build, dispatch._interleave_rows_now, retune)
 
 
 def _non_rule_winner(m) -> str:

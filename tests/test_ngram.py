@@ -6,7 +6,7 @@ import pytest
 from swiftspec.engine.config import EngineConfig
 from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
 from swiftspec.model_executor.sampling import SamplingParams
-from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode import target_loops
 from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState
@@ -75,7 +75,7 @@ def test_the_engine_config_takes_the_mode():
 def reference(tiny_dir):
     """The target's own greedy tokens after PROMPT."""
     out, emit = _collect()
-    st = scheduler.run_autoregressive(_target(tiny_dir), Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True),
+    st = target_loops.run_autoregressive(_target(tiny_dir), Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True),
                                                                  60, (2,)), emit)
     assert len(out) == 60 and st.verifications == 59
     return out
@@ -100,7 +100,7 @@ def _oracle(ref, wrong_every=0):
 def test_real_proposals_keep_the_greedy_output(tiny_dir, reference, tokens):
     out, emit = _collect()
     req = Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), 60, (2,), trace=True)
-    st = scheduler.run_ngram(_target(tiny_dir), req, emit, NgramParams(min_n=1, tokens=tokens))
+    st = target_loops.run_ngram(_target(tiny_dir), req, emit, NgramParams(min_n=1, tokens=tokens))
     assert out == reference
     assert any(len(t["subgraph"]) > 1 for t in st.trace), "60 tokens of a 128-token vocabulary repeat some token"
     assert max(len(t["subgraph"]) for t in st.trace) <= tokens + 1
@@ -114,7 +114,7 @@ def test_true_proposals_are_accepted_and_wrong_ones_cut(tiny_dir, reference, mon
     monkeypatch.setattr(NgramProposer, "propose", _oracle(reference, wrong_every))
     out, emit = _collect()
     req = Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), 60, (2,), trace=True)
-    st = scheduler.run_ngram(_target(tiny_dir), req, emit, NgramParams(tokens=tokens))
+    st = target_loops.run_ngram(_target(tiny_dir), req, emit, NgramParams(tokens=tokens))
     assert out == reference
     want = [len(t["subgraph"]) - 1 for t in st.trace]  # every proposed token
     if wrong_every:  # the corrupted proposals keep their first token only
@@ -127,7 +127,7 @@ def test_the_token_budget_caps_the_proposal(tiny_dir, reference, monkeypatch):
     for n in (2, 3, 5):
         out, emit = _collect()
         req = Request(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True), n, (2,), trace=True)
-        st = scheduler.run_ngram(_target(tiny_dir), req, emit, NgramParams(tokens=4))
+        st = target_loops.run_ngram(_target(tiny_dir), req, emit, NgramParams(tokens=4))
         assert out == reference[:n]
         # after the prefill's token n - 1 remain: a chain never verifies more rows than that
         assert st.trace and max(len(t["subgraph"]) for t in st.trace) == min(n - 1, 5)
@@ -147,7 +147,7 @@ def test_sampled_output_follows_target_distribution(tiny_dir, reference, monkeyp
     n, counts, accepted_any = 1500, Counter(), 0
     for seed in range(n):
         out, emit = _collect()
-        st = scheduler.run_ngram(target, Request(PROMPT, SamplingParams(**params, seed=seed), 3, ()), emit,
+        st = target_loops.run_ngram(target, Request(PROMPT, SamplingParams(**params, seed=seed), 3, ()), emit,
                                  NgramParams(tokens=2))
         counts[tuple(out)] += 1
         accepted_any += sum(st.accepted) > 0

@@ -3,7 +3,7 @@
 import pytest
 
 from swiftspec.model_executor.sampling import SamplingParams
-from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode import target_loops, tree_loops
 from swiftspec.spec_decode.acceptance import Replay
 from swiftspec.spec_decode.payback import MIN_SIGMA, MIN_TOKENS, PaybackGate
 from tests.test_scheduler import PROMPT, _collect, _draft, _req, _target, greedy_reference  # noqa: F401 (fixture)
@@ -74,7 +74,7 @@ def test_serial_under_the_gate_equals_autoregressive(tiny_dir, tiny_draft_dir, g
     draft.debug = True
     out, emit = _collect()
     rho0, sigma0 = g.rho, g.sigma
-    st = scheduler.run_serial(draft, _target(tiny_dir), _req(d=2), emit, gate=g)
+    st = tree_loops.run_serial(draft, _target(tiny_dir), _req(d=2), emit, gate=g)
     assert out == greedy_reference
     assert st.step_s > 0 and st.ran_reason
     if speculate:
@@ -94,7 +94,7 @@ def test_replayed_requests_are_not_gated(tiny_dir, tiny_draft_dir):
     req = _req(d=2)
     req.replay = Replay(tuple([0] * 40))
     out, emit = _collect()
-    st = scheduler.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), req, emit, gate=g)
+    st = tree_loops.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), req, emit, gate=g)
     assert len(out) == 40 and st.ran is None and st.step_s == 0 and not st.ran_reason
     assert sum(st.accepted) > 0 and g.rho == pytest.approx(1e6) and g.sigma == pytest.approx(1.25)
 
@@ -106,9 +106,9 @@ def test_a_seed_gives_the_target_alones_sample_under_the_gate(tiny_dir, tiny_dra
     order, so a seed gives autoregressive's tokens either way (not the greedy ones)."""
     params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=2.0, top_p=0.95, seed=7)
     ref, emit = _collect()
-    scheduler.run_autoregressive(_target(tiny_dir), _req(n=30, params=params), emit)
+    target_loops.run_autoregressive(_target(tiny_dir), _req(n=30, params=params), emit)
     g = _measured(rho=1e-9 if speculate else 1e6, sigma=1.25)  # whatever the timings
     out, emit = _collect()
-    st = scheduler.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), _req(n=30, params=params, d=2), emit, gate=g)
+    st = tree_loops.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), _req(n=30, params=params, d=2), emit, gate=g)
     assert out == ref and len(out) == 30 and (st.ran is None) == speculate
     assert out != greedy_reference[:30]

@@ -9,7 +9,7 @@ import torch
 
 from swiftspec.model_executor.runner import ModelRunner, RunnerHandle
 from swiftspec.model_executor.sampling import Sampler, SamplingParams
-from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode import async_loops, target_loops, tree_loops
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState
@@ -46,9 +46,9 @@ def run_async_threads(draft, target, req):
     a, b = Pipe()
     out, emit = _collect()
     res = {}
-    th = threading.Thread(target=lambda: res.setdefault("draft", scheduler.run_async_draft(draft, req, b)))
+    th = threading.Thread(target=lambda: res.setdefault("draft", async_loops.run_async_draft(draft, req, b)))
     th.start()
-    res["target"] = scheduler.run_async_target(target, req, a, emit)
+    res["target"] = async_loops.run_async_target(target, req, a, emit)
     th.join(timeout=60)
     assert not th.is_alive()
     return out, res["target"], res["draft"]
@@ -57,7 +57,7 @@ def run_async_threads(draft, target, req):
 @pytest.fixture(scope="module")
 def greedy_reference(tiny_dir):
     out, emit = _collect()
-    st = scheduler.run_autoregressive(_target(tiny_dir), _req(), emit)
+    st = target_loops.run_autoregressive(_target(tiny_dir), _req(), emit)
     assert st.accepted == [0] * 39 and len(out) == 40
     return out
 
@@ -67,7 +67,7 @@ def test_serial_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy_re
     out, emit = _collect()
     draft = _draft(tiny_draft_dir)
     draft.debug = True
-    st = scheduler.run_serial(draft, _target(tiny_dir), _req(d=d), emit)
+    st = tree_loops.run_serial(draft, _target(tiny_dir), _req(d=d), emit)
     assert out == greedy_reference
     assert sum(st.accepted) > 0, "a near-copy draft should get some tokens accepted"
 
@@ -85,14 +85,14 @@ def test_logprobs_are_the_targets_own_in_every_mode(tiny_dir, tiny_draft_dir, gr
         out, emit = _collect(lps)
         req = _req(params=params, d=2)
         if mode == "autoregressive":
-            scheduler.run_autoregressive(_target(tiny_dir), req, emit)
+            target_loops.run_autoregressive(_target(tiny_dir), req, emit)
         elif mode == "serial":
-            scheduler.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), req, emit)
+            tree_loops.run_serial(_draft(tiny_draft_dir), _target(tiny_dir), req, emit)
         else:
             a, b = Pipe()
-            th = threading.Thread(target=scheduler.run_async_draft, args=(_draft(tiny_draft_dir), req, b))
+            th = threading.Thread(target=async_loops.run_async_draft, args=(_draft(tiny_draft_dir), req, b))
             th.start()
-            scheduler.run_async_target(_target(tiny_dir), req, a, emit)
+            async_loops.run_async_target(_target(tiny_dir), req, a, emit)
             th.join()
         assert out == greedy_reference and [lp.token_id for lp in lps] == out
         runs[mode] = lps
@@ -107,7 +107,7 @@ def test_logprobs_are_the_targets_own_in_every_mode(tiny_dir, tiny_draft_dir, gr
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
         assert sum(torch.tensor([v for _, v in lp.top]).exp()) <= 1.0 + 1e-6
     plain: list = []
-    scheduler.run_autoregressive(_target(tiny_dir), _req(), _collect(plain)[1])
+    target_loops.run_autoregressive(_target(tiny_dir), _req(), _collect(plain)[1])
     assert plain == []
 
 
@@ -157,7 +157,7 @@ def test_colocated_greedy_equals_autoregressive(tiny_dir, tiny_draft_dir, greedy
     draft = _draft(tiny_draft_dir)
     draft.debug = True
     out, emit = _collect()
-    st = scheduler.run_colocated(draft, _target(tiny_dir), _req(d=d), emit)
+    st = tree_loops.run_colocated(draft, _target(tiny_dir), _req(d=d), emit)
     assert out == greedy_reference
     assert sum(st.accepted) > 0 and st.verifications == len(st.accepted)
     # fill() alone makes one expansion per iteration here (bs 8 needs it); overlap adds more
@@ -183,7 +183,7 @@ def test_identical_draft_accepts_whole_greedy_chain(tiny_dir, greedy_reference, 
     slow_device[0] = 3
     if mode in ("serial", "colocated"):
         out, emit = _collect()
-        st = getattr(scheduler, f"run_{mode}")(draft, target, req, emit)
+        st = getattr(tree_loops, f"run_{mode}")(draft, target, req, emit)
     else:
         out, st, _ = run_async_threads(draft, target, req)
     assert out == greedy_reference
@@ -226,7 +226,7 @@ def test_no_surviving_kv_is_recomputed(tiny_dir, tiny_draft_dir, monkeypatch):
 
     monkeypatch.setattr(draft.runner.runner, "launch", counting_launch)
     emit = lambda toks, t, lps=(): seq.extend(toks)  # noqa: E731
-    scheduler.run_serial(draft, _target(tiny_dir), _req(n=60, d=2), emit)
+    tree_loops.run_serial(draft, _target(tiny_dir), _req(n=60, d=2), emit)
     assert computed and max(computed.values()) == 1
     # every token the draft ran is either the prompt or one of those distinct contexts
     assert sum(forward_tokens) == len(PROMPT) + sum(computed.values())
@@ -248,7 +248,7 @@ def test_sampled_output_follows_target_distribution(tiny_dir, slow_device, mode)
     counts = Counter()
     accepted_any = 0
     slow_device[0] = 1
-    run = getattr(scheduler, f"run_{mode}")
+    run = getattr(tree_loops, f"run_{mode}")
     for seed in range(n):
         out, emit = _collect()
         st = run(draft, target, Request(PROMPT, SamplingParams(**params, seed=seed), 3, (), 1), emit)
@@ -356,7 +356,7 @@ def test_decode_steps_padded_to_graph_buckets_stay_lossless(tiny_dir, tiny_draft
     draft = DraftState(RunnerHandle("draft", ModelRunner(str(tiny_draft_dir), capacity=1024,
                                                          graph_sizes=graph_buckets(16)), []), TreeParams())
     out, emit = _collect()
-    st = getattr(scheduler, f"run_{loop}")(draft, target, _req(d=2), emit)
+    st = getattr(tree_loops, f"run_{loop}")(draft, target, _req(d=2), emit)
     assert out == greedy_reference and sum(st.accepted) > 0
     assert target.runner.runner.step.sizes == [1, 2, 4, 8]
     assert sum(padded.values()) >= st.verifications + draft.expansions and set(padded) <= {1, 2, 4, 8, 16}

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from swiftspec.spec_decode.scheduler import SERIAL_D
+from swiftspec.spec_decode.tree_loops import SERIAL_D
 
 
 def candidate_splits(devices: list[int], gpu: bool) -> list[tuple[list[int], list[int]]]:

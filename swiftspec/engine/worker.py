@@ -3,7 +3,7 @@
 A worker pins itself to its cores, joins the torch.distributed world when its group has more
 than one rank, loads its model shard(s), reports ``("ready", pid, info)`` to the engine
 (:func:`ready_info`: its device, collective backend and CUDA graphs), and then
-either leads its group (runs a decoding loop of :mod:`swiftspec.spec_decode.scheduler` per request) or follows
+either leads its group (runs a decoding loop of :mod:`swiftspec.spec_decode.modes` per request) or follows
 its leader's mirrored model calls. An exception while a lone leader serves a request is that
 request's: reported as ``("failed", kind, "Type: message")``, and the leader waits for the next
 request. Any other exception is reported as ``("error", traceback)`` before the process exits, so

@@ -7,14 +7,15 @@ concurrently). Each is a :class:`DecodeMode` subclass registered under its name
 (:func:`register_mode`); the engine looks the class up once (:func:`mode_for`) and hands it to the
 leader worker in its spec, so a mode registered by user code (a module the worker can import, as
 vLLM's ``spec_decode/`` keeps one proposer per file behind one interface) runs through the spawned
-workers without any change here. The loops themselves are the pure step functions of
-:mod:`swiftspec.spec_decode.scheduler`.
+workers without any change here. The loops themselves are plain functions of
+:mod:`swiftspec.spec_decode.target_loops`, :mod:`~swiftspec.spec_decode.tree_loops` and
+:mod:`~swiftspec.spec_decode.async_loops`, on the step functions of :mod:`swiftspec.spec_decode.scheduler`.
 """
 from __future__ import annotations
 
 from typing import Callable, ClassVar
 
-from swiftspec.spec_decode import scheduler
+from swiftspec.spec_decode import async_loops, scheduler, target_loops, tree_loops
 from swiftspec.spec_decode.ngram import NgramProposer
 from swiftspec.spec_decode.payback import PaybackGate
 
@@ -96,13 +97,13 @@ class Autoregressive(DecodeMode):
     name, uses_draft = "autoregressive", False
 
     def run(self, req, emit, stop):
-        """One token per target forward (:func:`~swiftspec.spec_decode.scheduler.run_autoregressive`); returns its ``TargetStats``."""
-        return scheduler.run_autoregressive(self.target, req, emit, stop)
+        """One token per target forward (:func:`~swiftspec.spec_decode.target_loops.run_autoregressive`); returns its ``TargetStats``."""
+        return target_loops.run_autoregressive(self.target, req, emit, stop)
 
 
 class ChainProposerMode(DecodeMode):
     """Base of the target-alone modes that verify a proposer's chain after the root each step
-    (:func:`swiftspec.spec_decode.scheduler.run_chain`): a subclass gives :meth:`make_proposer`."""
+    (:func:`swiftspec.spec_decode.target_loops.run_chain`): a subclass gives :meth:`make_proposer`."""
 
     uses_draft = False
 
@@ -112,8 +113,8 @@ class ChainProposerMode(DecodeMode):
         raise NotImplementedError
 
     def run(self, req, emit, stop):
-        """Verify :meth:`make_proposer`'s chain each step (:func:`~swiftspec.spec_decode.scheduler.run_chain`); returns its ``TargetStats``."""
-        return scheduler.run_chain(self.target, req, emit, self.make_proposer, stop)
+        """Verify :meth:`make_proposer`'s chain each step (:func:`~swiftspec.spec_decode.target_loops.run_chain`); returns its ``TargetStats``."""
+        return target_loops.run_chain(self.target, req, emit, self.make_proposer, stop)
 
 
 @register_mode
@@ -139,9 +140,9 @@ class Serial(DecodeMode):
         self.gate = PaybackGate() if spec.config.draft_payback else None
 
     def run(self, req, emit, stop):
-        """Draft and target take turns on every device (:func:`~swiftspec.spec_decode.scheduler.run_serial`;
+        """Draft and target take turns on every device (:func:`~swiftspec.spec_decode.tree_loops.run_serial`;
         the payback gate may run the target alone); returns its ``TargetStats``."""
-        return scheduler.run_serial(self.draft, self.target, req, emit, stop, self.gate)
+        return tree_loops.run_serial(self.draft, self.target, req, emit, stop, self.gate)
 
 
 @register_mode
@@ -151,8 +152,8 @@ class Colocated(DecodeMode):
     name = "colocated"
 
     def run(self, req, emit, stop):
-        """Draft and target share one GPU on two streams (:func:`~swiftspec.spec_decode.scheduler.run_colocated`); returns its ``TargetStats``."""
-        return scheduler.run_colocated(self.draft, self.target, req, emit, stop)
+        """Draft and target share one GPU on two streams (:func:`~swiftspec.spec_decode.tree_loops.run_colocated`); returns its ``TargetStats``."""
+        return tree_loops.run_colocated(self.draft, self.target, req, emit, stop)
 
 
 @register_mode
@@ -162,8 +163,8 @@ class AsyncTarget(DecodeMode):
     name, uses_draft = "target", False
 
     def run(self, req, emit, stop):
-        """The target leader of the async loop, exchanging subgraphs and verified tokens with the draft group over ``peer`` (:func:`~swiftspec.spec_decode.scheduler.run_async_target`); returns its ``TargetStats``."""
-        return scheduler.run_async_target(self.target, req, self.peer, emit, stop)
+        """The target leader of the async loop, exchanging subgraphs and verified tokens with the draft group over ``peer`` (:func:`~swiftspec.spec_decode.async_loops.run_async_target`); returns its ``TargetStats``."""
+        return async_loops.run_async_target(self.target, req, self.peer, emit, stop)
 
 
 @register_mode
@@ -173,5 +174,5 @@ class AsyncDraft(DecodeMode):
     name = "draft"
 
     def run(self, req, emit, stop):
-        """The draft leader of the async loop, growing the tree while the target verifies (:func:`~swiftspec.spec_decode.scheduler.run_async_draft`; verified tokens reach the user through the target, so ``emit`` and ``stop`` are unused); returns its ``DraftStats``."""
-        return scheduler.run_async_draft(self.draft, req, self.peer)
+        """The draft leader of the async loop, growing the tree while the target verifies (:func:`~swiftspec.spec_decode.async_loops.run_async_draft`; verified tokens reach the user through the target, so ``emit`` and ``stop`` are unused); returns its ``DraftStats``."""
+        return async_loops.run_async_draft(self.draft, req, self.peer)

@@ -51,7 +51,7 @@ class Decision:
 
 
 class PaybackGate:
-    """Decides per request whether to prefill the draft (:func:`swiftspec.spec_decode.scheduler.run_serial`)
+    """Decides per request whether to prefill the draft (:func:`swiftspec.spec_decode.tree_loops.run_serial`)
     and learns from the requests that did. Not thread-safe; one per serial worker."""
 
     def __init__(self):
