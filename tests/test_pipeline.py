@@ -15,9 +15,9 @@ import torch
 from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, WorkerError
+from swiftspec.distributed.rendezvous import TOKEN_ENV
 from swiftspec.engine import llm_engine as engine
 from swiftspec.model_executor.models.llama import load_model
-from swiftspec.distributed.rendezvous import TOKEN_ENV
 from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
 
 PROMPT = "hello world, this is a test"

@@ -23,7 +23,11 @@ import socket
 import torch
 import torch.distributed as dist
 
-from swiftspec.distributed.wire import all_gather_bytes, all_gather_flags, broadcast_bytes
+from swiftspec.distributed.wire import (
+    all_gather_bytes,
+    all_gather_flags,
+    broadcast_bytes,
+)
 
 DEFAULT_CAPACITY_BYTES = 1 << 20  # payload per rank per epoch; larger messages are chunked
 DEFAULT_TIMEOUT_S = 60.0
