@@ -15,6 +15,7 @@ import torch
 from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, WorkerError
+from swiftspec.distributed.rendezvous import TOKEN_ENV
 from swiftspec.engine import llm_engine as engine
 from swiftspec.model_executor.models.llama import load_model
 from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
@@ -175,14 +176,25 @@ def test_dead_stage_raises_quickly(target3, draft3, mode):
             os.kill(p, 0)
 
 
-def _remote_stage(target, port: int):
+TOKEN = "test-pipeline-secret-0123456789"
+
+
+@pytest.fixture
+def token(monkeypatch):
+    """The shared secret of the engine's stages (they inherit the environment)."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    return TOKEN
+
+
+def _remote_stage(target, port: int, token: str = TOKEN):
     """A stage in a separate process tree, as `swiftspec worker` runs it on another host."""
     return subprocess.Popen([sys.executable, "-m", "swiftspec", "worker", "--stage", "1", "--stages", "2",
                              "--master-addr", "127.0.0.1", "--master-port", str(port), "--target", str(target),
-                             "--timeout", "120"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--timeout", "120"], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, TOKEN_ENV: token})
 
 
-def test_two_hosts_joined_over_tcp(target3, draft3, reference):
+def test_two_hosts_joined_over_tcp(target3, draft3, reference, token):
     """Stage 1 in its own process tree joins stage 0 by TCP rendezvous; the output is unchanged;
     killing either side, or freezing the remote one (a host gone without closing its sockets),
     makes the other raise (or exit) within 10 s, naming the lost stage; no process is left."""
@@ -240,6 +252,52 @@ def _remote_pair_streaming(target, draft, port: int):
     it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
     next(it)
     return remote, eng, it
+
+
+def test_peer_without_the_secret_cannot_join_or_disturb(target3, draft3, reference, token):
+    """A stage with another secret is refused with a clear error while the right one joins; a
+    stranger hammering the heartbeat keys it can name (set, delete) for longer than the heartbeat
+    limit changes nothing; the secret-less `swiftspec worker` refuses to start."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from swiftspec.distributed.parallel import free_tcp_port
+    from swiftspec.distributed.rendezvous import token_prefix
+    from swiftspec.pipeline.stages import HEARTBEAT_LIMIT_S
+
+    port = free_tcp_port()
+    intruder = _remote_stage(target3, port, token="not-the-secret-0123456789")
+    remote = _remote_stage(target3, port)
+    try:
+        with Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
+                    master_port=port, max_model_len=2048) as eng:
+            assert intruder.wait(timeout=30) == 1
+            assert "refused this stage" in intruder.stderr.read()
+            raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+            guesses = [raw, dist.PrefixStore(token_prefix("not-the-secret-0123456789"), raw)]
+            t_end = time.monotonic() + HEARTBEAT_LIMIT_S + 1
+            while time.monotonic() < t_end:
+                for store in guesses:
+                    for r in (0, 1):
+                        store.set(f"hb/{r}", "0")
+                        store.delete_key(f"hb/{r}")
+                assert eng.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids == \
+                    reference.token_ids[:4]
+            assert eng.generate(PROMPT, GREEDY).token_ids == reference.token_ids
+        assert remote.wait(timeout=10) == 0, remote.stderr.read()
+    finally:
+        intruder.kill()
+        remote.kill()
+    out = subprocess.run([sys.executable, "-m", "swiftspec", "worker", "--stage", "1", "--stages", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), "--target", str(target3)],
+                         capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                                           if k != TOKEN_ENV})
+    assert out.returncode == 2 and TOKEN_ENV in out.stderr
+    with pytest.raises(ValueError, match=TOKEN_ENV):
+        os.environ.pop(TOKEN_ENV)
+        Engine(target3, draft3, mode="pipeinfer", dtype="float32", pipeline_stages=2, remote_stages=[1],
+               master_port=port)
 
 
 def test_remote_stage_config_errors():

@@ -7,7 +7,7 @@ group, all processes on one host, share one POSIX shared-memory segment and exch
 kernel call on the fast path. Sums run in rank order in float32, so every rank gets identical bits.
 
 Setup is collective over the group's torch.distributed (gloo) process group: rank 0 creates a
-segment with a unique name, broadcasts the name, the others attach, a barrier, then rank 0 removes
+segment with a unique name, broadcasts the name (as bytes, :mod:`swiftspec.distributed.wire`), the others attach, a barrier, then rank 0 removes
 the name. From then on the segment lives only as long as the processes that map it: a crash can
 never leak it.
 
@@ -23,6 +23,12 @@ import socket
 import torch
 import torch.distributed as dist
 
+from swiftspec.distributed.wire import (
+    all_gather_bytes,
+    all_gather_flags,
+    broadcast_bytes,
+)
+
 DEFAULT_CAPACITY_BYTES = 1 << 20  # payload per rank per epoch; larger messages are chunked
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -32,9 +38,7 @@ def same_host(group) -> bool:
 
     Collective over ``group`` (every member must call it). Compares ``socket.gethostname()``.
     """
-    names = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return len(set(names)) == 1
+    return len(set(all_gather_bytes(socket.gethostname().encode(), group=group))) == 1
 
 
 class ShmCommunicator:
@@ -87,29 +91,29 @@ class ShmCommunicator:
                     # a failure between here and unlink() below must not leave the name behind
                     unlink_at_exit = comm.unlink
                     atexit.register(unlink_at_exit)
-                    box = [name, None]
+                    msg = b"name:" + name.encode()
                 except RuntimeError as e:
-                    box = [None, str(e)]  # the others must learn it, not wait for a name
+                    msg = b"error:" + str(e).encode()  # the others must learn it, not wait for a name
             else:
-                box = [None, None]
-            dist.broadcast_object_list(box, src=src, group=group)
-            if box[0] is None:
-                raise RuntimeError(f"shared-memory communicator: rank 0 could not create the segment: {box[1]}")
+                msg = None
+            kind, _, text = broadcast_bytes(msg, src, group).decode(errors="replace").partition(":")
+            if kind != "name":
+                raise RuntimeError(f"shared-memory communicator: rank 0 could not create the segment: {text}")
+            name = text
             err = None
             if rank != 0:
                 try:
-                    comm = ext.ShmComm(box[0], rank, size, False, capacity_bytes, timeout_s)
+                    comm = ext.ShmComm(name, rank, size, False, capacity_bytes, timeout_s)
                 except RuntimeError as e:
                     err = e
             # every rank learns whether every rank attached, so a failed attach cannot leave the
             # others waiting here or, later, in a collective
-            oks = [None] * size
-            dist.all_gather_object(oks, err is None, group=group)
+            oks = all_gather_flags(err is None, group=group)
             if err is not None:
                 raise err
             if not all(oks):
                 bad = [r for r, o in enumerate(oks) if not o]
-                raise RuntimeError(f"shared-memory communicator: ranks {bad} could not attach to {box[0]}")
+                raise RuntimeError(f"shared-memory communicator: ranks {bad} could not attach to {name}")
             if rank == 0:
                 comm.unlink()
         except BaseException:

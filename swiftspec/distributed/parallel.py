@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from swiftspec import ops
+from swiftspec.distributed.rendezvous import pin_loopback
+from swiftspec.distributed.wire import all_gather_bytes
 
 PROBE = "scripts/gpu_probe.py"  # records whether CUDA IPC (and MPS) work on a GPU machine
 
@@ -216,16 +218,23 @@ def worker_process(engine, label: str):
 
 
 def free_tcp_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for the rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago. Another process may take it before the
+    caller binds it: the engine's worlds meet through :func:`swiftspec.distributed.rendezvous.file_init_method`
+    instead."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
+def init_world(rank: int, world_size: int, port: int | str, groups: list[list[int]],
                timeout_s: float = 60.0, *, shm_comm: bool = False,
                device_type: str = "cpu", devices: list[str] | None = None) -> list[TPContext | None]:
     """Join the torch.distributed world and build one TP group per entry of ``groups``.
+
+    ``port``: where the ranks meet, all on this host: a ``file://`` init method (a file in a
+    private directory, :mod:`swiftspec.distributed.rendezvous`; no listener) or a TCP port on
+    127.0.0.1 (torch's store then listens on every interface until the world is built). The
+    group's gloo / NCCL sockets use the loopback interface only.
 
     Every process must call this with the same ``groups`` and ``devices`` (torch.distributed
     requires all ranks to take part in creating every subgroup). ``device_type`` is where this
@@ -260,7 +269,9 @@ def init_world(rank: int, world_size: int, port: int, groups: list[list[int]],
         # decided alike on every rank, before any of them waits in the rendezvous
         raise RuntimeError("ranks sharing a GPU run their collectives on the CUDA LL communicator only "
                            "(NCCL refuses a GPU used by two ranks); it needs the kernels on (kernels=True)")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    pin_loopback()
+    init_method = port if isinstance(port, str) else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     pgs = [dist.new_group(members, backend=backend) if len(members) > 1 else None for members in groups]
     out: list[TPContext | None] = []
@@ -309,12 +320,11 @@ def _group_shm(pg, rank: int, size: int, timeout_s: float):
         return None
     try:
         cpu.load()
-        err = None
+        err = ""
     except cpu.KernelBuildError as e:
-        err = str(e).splitlines()[0]
-    errs = [None] * size
-    dist.all_gather_object(errs, err, group=pg)
-    failed = [(r, e) for r, e in enumerate(errs) if e is not None]
+        err = str(e).splitlines()[0] or type(e).__name__
+    errs = all_gather_bytes(err.encode(), group=pg)
+    failed = [(r, e.decode(errors="replace")) for r, e in enumerate(errs) if e]
     if failed:
         warnings.warn(f"shm_comm: the CPU extension is unavailable on ranks {failed}; using gloo", stacklevel=3)
         return None

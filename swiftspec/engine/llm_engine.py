@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import shutil
 import sys
 import time
 import weakref
@@ -205,8 +206,9 @@ class Engine:
         self.config = config = replace(config, mode=mode, draft_payback=payback, **tree)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        self._dirs: list[str] = []  # the workers' private rendezvous directory, removed at close
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dirs)
         if not uses_draft(config.mode):
             self.draft_path = None
         else:
@@ -253,7 +255,7 @@ class Engine:
                            None if self.draft_path is None else str(self.draft_path), _available_cores(), gpus)
 
     def _start_workers(self) -> None:
-        from swiftspec.distributed.parallel import free_tcp_port
+        from swiftspec.distributed.rendezvous import pipeline_token, private_dir
 
         ctx = mp.get_context("spawn")
         layout = self._layout()
@@ -264,9 +266,15 @@ class Engine:
         world = rank
         world_devices = [d for g in layout for d in g.devices]  # ranks sharing a GPU: gloo + LL collectives
         pipelined = self.config.pipeline_stages > 1
-        port = free_tcp_port() if any(len(g) > 1 for g in groups) else 0
-        if pipelined:
-            port = self.config.master_port or free_tcp_port()
+        # ranks spawned here meet in a private directory (no listener); remote stages over TCP, with the secret
+        remote = pipelined and bool(self.config.remote_stages)
+        if remote:
+            pipeline_token()  # raises ValueError naming the variable before any process starts
+        port = self.config.master_port if remote else 0
+        rendezvous_dir = None
+        if not remote and (pipelined or any(len(g) > 1 for g in groups)):
+            rendezvous_dir = private_dir()
+            self._dirs.append(rendezvous_dir)
         stage_layers = self._stage_layers() if pipelined else None
         tok_file = str(Path(self.target_path) / "tokenizer.json")
         self._leader_conns: dict[str, Connection] = {}
@@ -285,7 +293,8 @@ class Engine:
             follower_pipes = [ctx.Pipe() for _ in range(group.tp - 1)]
             handed_over += [c for pair in follower_pipes for c in pair]
             for j, r in enumerate(groups[gi]):
-                spec = WorkerSpec(config=self.config, rank=r, world_size=world, port=port, groups=groups, group=gi,
+                spec = WorkerSpec(config=self.config, rank=r, world_size=world, port=port, rendezvous_dir=rendezvous_dir,
+                                  groups=groups, group=gi,
                                   models=models, kind=kind,
                                   decode_mode=None if kind == "stage" or pipelined else mode_for(kind),
                                   cores=group.cores[j], threads=len(group.cores[j]), device=group.devices[j],
@@ -631,7 +640,7 @@ class Engine:
             return
         self._closed = True
         self._finalizer.detach()
-        _shutdown(self._procs, self._conns)
+        _shutdown(self._procs, self._conns, self._dirs)
 
     def __enter__(self) -> "Engine":
         return self
@@ -659,7 +668,7 @@ def _main_module_hidden():
             setattr(main, k, v)
 
 
-def _shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:
+def _shutdown(procs: list[mp.Process], conns: list[Connection], dirs: list[str]) -> None:
     for c in conns:
         try:
             c.send(("shutdown",))
@@ -680,3 +689,5 @@ def _shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:
             c.close()
         except OSError:
             pass
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)

@@ -36,7 +36,11 @@ class WorkerSpec:
 
     Attributes:
         config: the engine's :class:`swiftspec.engine.config.EngineConfig`, whole.
-        rank, world_size, port: torch.distributed world (port 0 = no world needed).
+        rank, world_size: the torch.distributed world.
+        port: the pipeline's TCP rendezvous port on ``config.master_addr`` when some stage runs on
+            another host, else 0.
+        rendezvous_dir: the private directory (mode 0700) where ranks spawned on this host meet
+            through a file store, or None (no world, or a TCP one).
         groups: TP groups as lists of global ranks (the same list in every worker).
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
@@ -83,6 +87,7 @@ class WorkerSpec:
     stage_layers: list[tuple[int, int]] | None = None
     world_devices: list[str] | None = None
     decode_mode: type | None = None
+    rendezvous_dir: str | None = None
 
     @property
     def tree(self) -> TreeParams:
@@ -170,6 +175,7 @@ def _setup(spec: WorkerSpec):
     """Pin, join the world, load the runners; returns ``(runners, tp)``."""
     from swiftspec import ops
     from swiftspec.distributed.parallel import LOCAL, init_world
+    from swiftspec.distributed.rendezvous import file_init_method
     from swiftspec.model_executor.kernel_tuning import tune_kernels
     from swiftspec.model_executor.runner import ModelRunner
 
@@ -182,8 +188,8 @@ def _setup(spec: WorkerSpec):
     if device.type == "cuda":  # before the process group: NCCL binds to the current device
         torch.cuda.set_device(device)
     tp = LOCAL
-    if spec.port:
-        tp = init_world(spec.rank, spec.world_size, spec.port, spec.groups, shm_comm=spec.config.kernels,
+    if spec.rendezvous_dir is not None:
+        tp = init_world(spec.rank, spec.world_size, file_init_method(spec.rendezvous_dir), spec.groups, shm_comm=spec.config.kernels,
                         device_type=device.type, devices=spec.world_devices)[spec.group]
     dtype = getattr(torch, spec.dtype)
     runners = {}

@@ -64,13 +64,23 @@ def free(ptr: int, flag_bits: int | None = None) -> None:
     check(lib.ss_free(ctypes.c_void_p(ptr)), "ss_free", lib)
 
 
+def _all_gather_fixed(data: bytes, group) -> list[bytes]:
+    """Every group member's ``data`` (the same length on every member), in rank order: a
+    ``uint8`` tensor all-gather, on this rank's CUDA device where ``group`` is NCCL."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend(group) == "nccl" else "cpu"
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, mine, group=group)
+    return [bytes(p.cpu().numpy()) for p in parts]
+
+
 class CudaLLCommunicator:
     """LL-protocol all-reduce and fused GEMM + all-reduce for one TP group on CUDA IPC buffers.
 
     Construction is collective over the group (every rank calls it, in the same order relative
     to other collectives): each rank allocates a zeroed buffer of
     ``256 + 2 * size * 2 * capacity_bytes`` bytes on its current device, the 64-byte IPC handles
-    are exchanged with ``all_gather_object`` and every rank maps its peers' buffers. All ranks
+    are exchanged as fixed-size byte tensors (never pickled) and every rank maps its peers' buffers. All ranks
     must then issue the same sequence of ``all_reduce`` / ``gemm_all_reduce`` calls on one stream
     each (they share the epoch counter in the buffer); calls are stream-ordered and CUDA-graph
     capturable (the epoch advances in device memory).
@@ -140,8 +150,8 @@ class CudaLLCommunicator:
                 error, handle = e, b""
             handles = [handle]
             if size > 1:
-                handles = [None] * size
-                torch.distributed.all_gather_object(handles, handle, group=group)
+                handles = _all_gather_fixed(handle.ljust(IPC_HANDLE_BYTES, b"\0") + (b"\1" if handle else b"\0"), group)
+                handles = [h[:IPC_HANDLE_BYTES] if h[-1] else b"" for h in handles]
             ptrs = [0] * size
             if error is None and all(h for h in handles):
                 for r, h in enumerate(handles):
@@ -160,9 +170,7 @@ class CudaLLCommunicator:
             # spinning on a buffer nobody writes
             ok = [error is None]
             if size > 1:
-                oks = [None] * size
-                torch.distributed.all_gather_object(oks, error is None, group=group)
-                ok = oks
+                ok = [bool(x[0]) for x in _all_gather_fixed(b"\1" if error is None else b"\0", group)]
             if not all(ok):
                 self._release()
                 if error is not None:

@@ -6,7 +6,7 @@ forward reads (:func:`partition_layers`); rank ``s`` of the pipeline world holds
 1..S-1 only follow it.
 
 Execution is in synchronous *timesteps* (PipeDec §3.4, "synchronization phase"): at the start of
-each one the leader broadcasts a :class:`Control` that says, for every stage, which rows of the
+each one the leader broadcasts a :class:`Control` (a fixed-layout tensor, :mod:`swiftspec.pipeline.control`) that says, for every stage, which rows of the
 micro-batch it received from the previous stage survive (the others were pruned after it was
 sent: PipeDec's pruning, PipeInfer's early cancellation), their positions, KV slots and attention
 masks, and which rows' logits the last stage returns. Each stage then receives its input
@@ -16,8 +16,9 @@ of its own KV cache) and sends the result on; the last stage sends the requested
 0. Since every stage sees the same ordered sequence of controls, slot moves (KV compaction) are
 applied everywhere at the same point of the token stream, and nothing is recomputed.
 
-Stages may run on other hosts (``swiftspec worker``): every rank joins one TCP rendezvous
-(:func:`join`, its store hosted by rank 0), receives the leader's :class:`StagePlan` (which layers,
+Stages may run on other hosts (``swiftspec worker``): every rank joins one rendezvous
+(:func:`join`: a private file store when every stage runs on this host, else a TCP store hosted by
+rank 0 whose keys only holders of the shared secret can name), receives the leader's :class:`StagePlan` (which layers,
 dtype, weights), checks that its model files hash like the leader's, and loads only its layers.
 Every rank advances a heartbeat counter in the store (:class:`Heartbeat`); a stage that dies (its
 sockets close: the peers' pending gloo operation fails at once) or whose host goes away (its
@@ -32,12 +33,15 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from swiftspec.distributed.wire import all_gather_json, broadcast_json
+from swiftspec.pipeline.control import Control, Work, broadcast_control
 
 LEADER = 0
 # a stage whose heartbeat has not advanced for this long is reported gone (seconds: above the scheduling
@@ -117,38 +121,6 @@ def _itemsize(dtype: str) -> int:
             "BOOL": 1}.get(dtype, 4)
 
 
-@dataclass
-class Work:
-    """One stage's micro-batch in one timestep.
-
-    Attributes:
-        in_rows: rows the previous stage sent (0 on stage 0, which takes ``tokens``).
-        keep: indices of the received rows that survive (None = all).
-        tokens: ``[n]`` int64 token ids (stage 0 only).
-        positions, slots: ``[n]`` int64 for the surviving rows; mask ``[n, W]`` bool.
-        logit_rows: rows (of the surviving ones) whose logits the last stage returns.
-    """
-
-    in_rows: int
-    keep: list[int] | None
-    positions: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor
-    tokens: torch.Tensor | None = None
-    logit_rows: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Control:
-    """What the leader broadcasts at the start of a timestep: ``op`` "step" (run ``work``),
-    "done" (end of request: stages report their statistics) or "end" (shut down); ``moves``
-    (``(src, dst)`` slot lists) are applied to every KV cache before the step's work."""
-
-    op: str
-    work: list[Work | None] = field(default_factory=list)
-    moves: tuple[list[int], list[int]] | None = None
-
-
 class Stage:
     """One stage's model part, KV cache and links to its neighbours (every rank, leader included).
 
@@ -211,10 +183,9 @@ class Stage:
 
 
 def broadcast(ctrl: Control | None) -> Control:
-    """The leader sends ``ctrl``; the other ranks pass None and get it."""
-    box = [ctrl]
-    dist.broadcast_object_list(box, src=LEADER)
-    return box[0]
+    """The leader sends ``ctrl``; the other ranks pass None and get it (as a tensor:
+    :func:`swiftspec.pipeline.control.broadcast_control`)."""
+    return broadcast_control(ctrl, LEADER)
 
 
 def serve_stage(stage: Stage) -> None:
@@ -225,7 +196,7 @@ def serve_stage(stage: Stage) -> None:
         if ctrl.op == "end":
             return
         if ctrl.op == "done":
-            dist.gather_object(stage.stats(), None, dst=LEADER)
+            all_gather_json(stage.stats())
             stage.reset_stats()
             continue
         logits = stage.run(ctrl.work[stage.rank], ctrl.moves)
@@ -264,8 +235,7 @@ class PipelineLeader:
     def finish(self) -> list[dict]:
         """End of a request: every stage's statistics (index = stage), then reset."""
         broadcast(Control("done"))
-        out = [None] * self.stages
-        dist.gather_object(self.stage.stats(), out, dst=LEADER)
+        out = all_gather_json(self.stage.stats())
         self.stage.reset_stats()
         return out
 
@@ -299,20 +269,38 @@ class StagePlan:
     model_digest: str
 
 
-def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> dist.Store:
-    """Join the pipeline's torch.distributed world (gloo) through a TCP store that rank 0 hosts
-    on ``master_port`` (every interface); wait at most ``timeout_s`` for the others.
+def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float, *,
+         local_dir: str | None = None, token: str | None = None) -> dist.Store:
+    """Join the pipeline's torch.distributed world (gloo); wait at most ``timeout_s`` for the others.
+
+    With ``local_dir`` (every stage on this host, spawned by the engine) through a file store in
+    that private directory, sockets on loopback only; else through a TCP store that rank 0 hosts on
+    ``master_port`` (every interface: torch's store binds no single address), all keys under the
+    prefix of the shared secret ``token``
+    (:func:`swiftspec.distributed.rendezvous.secure_tcp_store`). Returns the run's store.
 
     Raises:
+        PermissionError: the leader holds another ``token`` (this stage is refused).
         RuntimeError: the rendezvous did not complete in time (a stage was never started, a
             wrong address or port, a firewall).
+        ValueError: neither ``local_dir`` nor ``token``.
     """
+    from swiftspec.distributed.rendezvous import pin_loopback, secure_tcp_store
+
+    if local_dir is None and not token:
+        raise ValueError("a pipeline rendezvous over TCP needs the shared secret (token)")
+    where = local_dir if local_dir is not None else f"{master_addr}:{master_port}"
     try:
-        store = dist.TCPStore(master_addr, master_port, world, is_master=rank == LEADER,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        if local_dir is not None:
+            pin_loopback()
+            store = dist.FileStore(os.path.join(local_dir, "pipeline"), world)
+        else:
+            store = secure_tcp_store(rank == LEADER, master_addr, master_port, world, token, timeout_s)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    except PermissionError:
+        raise
     except Exception as e:
-        raise RuntimeError(f"pipeline rendezvous at {master_addr}:{master_port} (stage {rank} of {world}) failed "
+        raise RuntimeError(f"pipeline rendezvous at {where} (stage {rank} of {world}) failed "
                            f"within {timeout_s:.0f} s: {e}") from e
     return store
 
@@ -347,16 +335,24 @@ def model_digest(model_dir: str | Path) -> str:
 
 def exchange_plan(plan: StagePlan | None, digest: str) -> tuple[StagePlan, list[tuple[str, int]]]:
     """The leader passes its plan, the others None; every rank gets the plan and every rank's
-    ``(host, pid)``. Every rank checks every digest against the leader's.
+    ``(host, pid)``. Every rank checks every digest against the leader's. Both travel as JSON text
+    in tensors (:mod:`swiftspec.distributed.wire`), read into fixed fields.
 
     Raises:
-        RuntimeError: a stage's model files differ from the leader's (names the stage and host).
+        RuntimeError: a stage's model files differ from the leader's (names the stage and host), or
+            a peer's message does not have the fields of a plan / a ``[host, pid, digest]`` triple.
     """
-    box = [plan]
-    dist.broadcast_object_list(box, src=LEADER)
-    plan = box[0]
-    peers = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid(), digest))
+    got = broadcast_json(None if plan is None else asdict(plan), LEADER)
+    if plan is None:
+        names = {f.name for f in fields(StagePlan)}
+        if not isinstance(got, dict) or set(got) != names:
+            raise RuntimeError(f"malformed pipeline plan from the leader: {sorted(got) if isinstance(got, dict) else got!r}")
+        plan = StagePlan(**got)
+        plan.layers = [tuple(x) for x in plan.layers]
+    peers = all_gather_json([socket.gethostname(), os.getpid(), digest])
+    if not all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[1], int)
+               and isinstance(p[2], str) for p in peers):
+        raise RuntimeError("malformed pipeline peer description (want [host, pid, digest])")
     bad = [(r, h, d) for r, (h, _, d) in enumerate(peers) if d != plan.model_digest]
     if bad:
         raise RuntimeError("pipeline stages hold different target models: " + "; ".join(

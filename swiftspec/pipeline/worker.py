@@ -59,15 +59,16 @@ class LockedConn:
 
 def setup(rank: int, stages: int, master_addr: str, master_port: int, target: str, draft: str | None,
           plan: StagePlan | None, timeout_s: float, draft_quant: str | None = None,
-          draft_vocab: int | None = None):
-    """Join, agree on the plan, load this stage (and the leader's draft). Returns ``(plan,
-    runners, peers, store)``; ``plan`` is the leader's (None on the other stages)."""
+          draft_vocab: int | None = None, *, local_dir: str | None = None, token: str | None = None):
+    """Join (``local_dir`` / ``token``: see :func:`~swiftspec.pipeline.stages.join`), agree on the
+    plan, load this stage (and the leader's draft). Returns ``(plan, runners, peers, store)``;
+    ``plan`` is the leader's (None on the other stages)."""
     from swiftspec import ops
     from swiftspec.distributed.parallel import LOCAL
     from swiftspec.model_executor.kernel_tuning import tune_kernels
     from swiftspec.model_executor.runner import ModelRunner
 
-    store = join(rank, stages, master_addr, master_port, timeout_s)
+    store = join(rank, stages, master_addr, master_port, timeout_s, local_dir=local_dir, token=token)
     digest = model_digest(target)
     if plan is not None:
         plan.model_digest = digest
@@ -101,7 +102,7 @@ def lead(spec, engine: Connection) -> None:
     plan = StagePlan(spec.stage_layers, spec.dtype, spec.config.weights, spec.config.kernels, spec.config.max_model_len, spec.tree.w, "")
     plan, runners, peers, store = setup(LEADER, spec.stages, spec.config.master_addr, spec.port, spec.models[ROLE_TARGET],
                                         spec.models.get(ROLE_DRAFT), plan, spec.config.start_timeout_s, spec.draft_quant,
-                                        spec.draft_vocab)
+                                        spec.draft_vocab, **_rendezvous(spec))
     engine = LockedConn(engine)
     beat = Heartbeat(store, LEADER, peers, lambda msg: _die(engine, msg))
     # the quantized GEMM's variant stage 0 tuned to, for the engine's metrics
@@ -141,13 +142,14 @@ def lead(spec, engine: Connection) -> None:
 
 
 def follow(rank: int, stages: int, master_addr: str, master_port: int, target: str, timeout_s: float,
-           on_lost, ready=None) -> None:
+           on_lost, ready=None, *, local_dir: str | None = None, token: str | None = None) -> None:
     """Stages 1..S-1: set up, then follow the leader's timesteps until it ends the pipeline.
     ``on_lost(message)`` is called (from the heartbeat thread) when a peer is gone; ``ready()``
-    once the stage is loaded."""
+    once the stage is loaded; ``local_dir`` / ``token``: see :func:`~swiftspec.pipeline.stages.join`."""
     from swiftspec.pipeline.stages import leave, serve_stage
 
-    _, runners, peers, store = setup(rank, stages, master_addr, master_port, target, None, None, timeout_s)
+    _, runners, peers, store = setup(rank, stages, master_addr, master_port, target, None, None, timeout_s,
+                                     local_dir=local_dir, token=token)
     beat = Heartbeat(store, rank, peers, on_lost)
     if ready is not None:
         ready()
@@ -172,8 +174,14 @@ def _die(engine, message: str) -> None:
 
 def worker_cli(args) -> int:
     """``swiftspec worker``: one pipeline stage of an engine whose leader runs on another host."""
+    from swiftspec.distributed.rendezvous import pipeline_token
     from swiftspec.weights.loader import resolve_model
 
+    try:
+        token = pipeline_token()
+    except ValueError as e:
+        print(f"swiftspec worker: {e}", file=sys.stderr)
+        return 2
     if not 1 <= args.stage < args.stages:
         print(f"swiftspec worker: --stage must be in [1, {args.stages}) (stage 0 is the engine's host)",
               file=sys.stderr)
@@ -190,8 +198,8 @@ def worker_cli(args) -> int:
     try:
         follow(args.stage, args.stages, args.master_addr, args.master_port, target, args.timeout, lost,
                ready=lambda: print(f"swiftspec worker: stage {args.stage} of {args.stages} ready", file=sys.stderr,
-                                   flush=True))
-    except RuntimeError as e:
+                                   flush=True), token=token)
+    except (RuntimeError, PermissionError) as e:
         print(f"swiftspec worker (stage {args.stage}): {e}", file=sys.stderr)
         return 1
     return 0
@@ -214,4 +222,15 @@ def stage_main(spec, engine: Connection, followers: list, leader, peer) -> None:
         else:
             conn = LockedConn(engine)
             follow(spec.rank, spec.stages, spec.config.master_addr, spec.port, spec.models[ROLE_TARGET], spec.config.start_timeout_s,
-                   lambda msg: _die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())))
+                   lambda msg: _die(conn, msg), ready=lambda: conn.send(("ready", os.getpid())), **_rendezvous(spec))
+
+
+def _rendezvous(spec) -> dict:
+    """How a stage the engine started joins: through the engine's private directory when every
+    stage runs on this host, else over TCP with the shared secret (inherited from the engine's
+    environment)."""
+    from swiftspec.distributed.rendezvous import pipeline_token
+
+    if spec.config.remote_stages:
+        return {"token": pipeline_token()}
+    return {"local_dir": spec.rendezvous_dir}
