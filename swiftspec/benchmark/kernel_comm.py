@@ -14,7 +14,7 @@ from swiftspec.benchmark.kernel_timing import MODELS, Case, time_interleaved
 
 
 # ---- collectives (2 processes) -----------------------------------------------------------
-def _comm_worker(rank: int, size: int, port: int, ops_: list[str], dtypes: list[str], rounds: int, iters: int,
+def _comm_worker(rank: int, size: int, port: str, ops_: list[str], dtypes: list[str], rounds: int, iters: int,
                  conn) -> None:
     from swiftspec.distributed.parallel import init_world
 
@@ -82,10 +82,13 @@ def comm_cases(ops_, dtypes, rounds, iters, size=2) -> list[Case]:
     """
     import multiprocessing as mp
 
-    from swiftspec.distributed.parallel import free_tcp_port
+    import shutil
+
+    from swiftspec.distributed.rendezvous import file_init_method, private_dir
 
     ctx = mp.get_context("spawn")
-    port = free_tcp_port()
+    rendezvous = private_dir()  # a file store: no TCP listener while the collectives are timed
+    port = file_init_method(rendezvous)
     pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
     procs = [ctx.Process(target=_comm_worker, args=(r, size, port, ops_, [str(d)[6:] for d in dtypes], rounds,
                                                     iters, pipes[r][1]), daemon=True) for r in range(size)]
@@ -108,3 +111,4 @@ def comm_cases(ops_, dtypes, rounds, iters, size=2) -> list[Case]:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(rendezvous, ignore_errors=True)
