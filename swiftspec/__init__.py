@@ -16,9 +16,18 @@ __all__ = ["Engine", "EngineConfig", "GenerationOutput", "StreamChunk", "Samplin
 
 
 def __getattr__(name):
-    # the engine pulls in transformers; keep `import swiftspec` light for workers and tools
-    if name in __all__:
-        from swiftspec.engine import llm_engine as engine
+    # the engine pulls in transformers; keep `import swiftspec` light for workers and tools: each
+    # name is imported from its module when first asked for
+    if name == "Engine":
+        from swiftspec.engine.llm_engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "EngineConfig":
+        from swiftspec.engine.config import EngineConfig
+
+        return EngineConfig
+    if name in __all__:
+        from swiftspec.engine import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(name)

@@ -49,7 +49,8 @@ def test_replaying_a_pairs_own_trace_gives_its_output_and_its_acceptance(tiny_di
     the target's own token, so the output equals the target's and each verification accepts what
     it accepts without the replay (a mismatch in either would mean the ranks or the candidates'
     order are wrong)."""
-    from swiftspec.engine.llm_engine import Engine, EngineConfig
+    from swiftspec.engine.config import EngineConfig
+    from swiftspec.engine.llm_engine import Engine
 
     prompts = ["count: 1 2 3", "abc abc abc", "hello"]
     with Engine(tiny_dir, None, config=EngineConfig(mode="autoregressive", dtype="float32")) as ar:
@@ -90,7 +91,8 @@ def test_replay_on_other_models_accepts_exactly_the_recorded_ranks(tiny_dir, tin
     """Draft and target unrelated (random tiny models): with every rank 0 recorded, each walk
     accepts the first child at each node down the subgraph and never anything else; with every
     rank absent, nothing is accepted (compression 1)."""
-    from swiftspec.engine.llm_engine import Engine, EngineConfig
+    from swiftspec.engine.config import EngineConfig
+    from swiftspec.engine.llm_engine import Engine
 
     with Engine(tiny_dir, tiny_llama_dir, config=EngineConfig(mode="serial", dtype="float32")) as eng:
         ids = eng.encode("xyz", False)
@@ -110,7 +112,8 @@ def test_replay_on_other_models_accepts_exactly_the_recorded_ranks(tiny_dir, tin
 
 
 def test_replay_refuses_sampled_requests(tiny_dir):
-    from swiftspec.engine.llm_engine import Engine, EngineConfig
+    from swiftspec.engine.config import EngineConfig
+    from swiftspec.engine.llm_engine import Engine
 
     with Engine(tiny_dir, tiny_dir, config=EngineConfig(mode="serial", dtype="float32")) as eng:
         with pytest.raises(ValueError, match="greedy"):

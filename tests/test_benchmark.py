@@ -274,7 +274,8 @@ def test_profile_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path, c
 
     monkeypatch.setattr(machine_profile, "cache_root", lambda cache_dir=None: tmp_path / "cache")
     from swiftspec.benchmark.profile import main
-    from swiftspec.engine.llm_engine import Engine, EngineConfig
+    from swiftspec.engine.config import EngineConfig
+    from swiftspec.engine.llm_engine import Engine
     from swiftspec.model_executor.sampling import SamplingParams
 
     prompts = tmp_path / "calib.jsonl"

@@ -115,7 +115,7 @@ def test_local_tensor_parallel_run_listens_on_loopback_only(tiny_dir):
     with Engine(tiny_dir, mode="autoregressive", dtype="float32", target_tp=2) as eng:
         assert len(eng.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4
         found = _listeners(eng.pids)
-        rdzv = list(eng._dirs)
+        rdzv = list(eng._processes.dirs)
     assert found, "gloo's pair sockets listen: the probe must see them"
     assert all(_loopback(a) for a in found), f"listeners outside loopback: {found}"
     assert rdzv and not any(os.path.exists(d) for d in rdzv), "the private rendezvous directory outlives the engine"

@@ -7,7 +7,7 @@ import pytest
 from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, TokenizerMismatchError, WorkerError
-from swiftspec.engine import llm_engine as engine_mod
+from swiftspec.engine import outputs
 from swiftspec.weights.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -101,8 +101,8 @@ def test_stream_stop_strings_and_chat(tiny_dir, tiny_draft_dir, reference):
         for stop, final in ((stop, out.text), (reference.text[3:5] + "\x01", reference.text)):
             params = SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop])
             assert "".join(c.text for c in eng.stream(PROMPT, params)) == final
-        assert engine_mod._stop_prefix_len("abcx", ("xyz", "cxq")) == 2
-        assert engine_mod._stop_prefix_len("abc", ("zz",)) == 0
+        assert outputs._stop_prefix_len("abcx", ("xyz", "cxq")) == 2
+        assert outputs._stop_prefix_len("abc", ("zz",)) == 0
         chat = eng.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(chat.token_ids) == 4
         sampled = [eng.generate(PROMPT, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16,
@@ -217,35 +217,34 @@ def test_abandoned_stream_is_cancelled(tiny_dir, tiny_draft_dir, reference):
 
 
 def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, monkeypatch):
-    from swiftspec.engine import llm_engine as engine
+    from swiftspec.engine import config
     from swiftspec.engine import machine_profile
 
-    auto = engine.EngineConfig()
-    assert engine.choose_mode(engine.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
+    auto = config.EngineConfig()
+    assert config.choose_mode(config.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
         "serial", "as configured", {})
-    mode, why, tree = engine.choose_mode(auto, True, None)  # no profile: the built-in rule says why
-    assert mode in engine.MODES and why.startswith("auto: ")
-    assert tree in ({}, engine.SHALLOW_TREE) and (tree == engine.SHALLOW_TREE) == ("bs 2, d 1" in why)
+    mode, why, tree = config.choose_mode(auto, True, None)  # no profile: the built-in rule says why
+    assert mode in config.MODES and why.startswith("auto: ")
+    assert tree in ({}, config.SHALLOW_TREE) and (tree == config.SHALLOW_TREE) == ("bs 2, d 1" in why)
     # the rule's shallow tree where a SIMD kernel reads the blocks; a shape the user sets wins
-    from swiftspec.engine import config
     monkeypatch.setattr(config, "_available_cores", lambda: [0, 1])
     monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
     from swiftspec import ops
-    for isa, want in (("avx512_vnni", ("serial", engine.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", engine.SHALLOW_TREE)),
+    for isa, want in (("avx512_vnni", ("serial", config.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", config.SHALLOW_TREE)),
                       ("avx2", ("ngram", {})), ("scalar", ("autoregressive", {})),
                       ("torch", ("autoregressive", {}))):
         monkeypatch.setattr(ops, "cpu_dispatch", lambda isa=isa: {"quant_gemm": isa})
-        mode, why, tree = engine.choose_mode(auto, True, None)
+        mode, why, tree = config.choose_mode(auto, True, None)
         assert (mode, tree) == want and isa in why
-    assert engine.choose_mode(engine.EngineConfig(bs=4), True, None)[2] == {}
-    assert engine.choose_mode(auto, False, None)[:1] == ("serial",)  # dequantized target: the default tree
+    assert config.choose_mode(config.EngineConfig(bs=4), True, None)[2] == {}
+    assert config.choose_mode(auto, False, None)[:1] == ("serial",)  # dequantized target: the default tree
     profiled = {"mode": "async", "bs": 6, "w": 2, "topk": 2, "d": 3,
                 "_measured": {"date": "2026-11-23 10:00", "tokens_per_s": 12.5}}
-    assert engine.choose_mode(auto, True, profiled) == (
+    assert config.choose_mode(auto, True, profiled) == (
         "async", "auto: swiftspec profile of 2026-11-23 10:00 measured it fastest on this machine and model "
         "pair (12.50 tokens/s)", {"bs": 6, "w": 2, "topk": 2, "d": 3})
-    assert engine.choose_mode(engine.EngineConfig(w=4), True, profiled)[2] == {}
-    assert engine.choose_mode(auto, True, {"mode": "warp"})[0] != "warp"  # a broken record is ignored
+    assert config.choose_mode(config.EngineConfig(w=4), True, profiled)[2] == {}
+    assert config.choose_mode(auto, True, {"mode": "warp"})[0] != "warp"  # a broken record is ignored
     # stored per machine and pair, atomically; another pair or a corrupt file has none
     t, d, other = tmp_path / "t", tmp_path / "d", tmp_path / "o"
     path = machine_profile.save_profile(profiled, t, d, tmp_path / "cache")
@@ -260,7 +259,7 @@ def test_a_seed_gives_the_same_sampled_output_in_every_mode(tiny_dir, tiny_draft
     was sampled where the target ran (every mode here: only token ids come back) or on the host,
     and whatever the tree: with batch-invariant target logits, a seed gives the autoregressive
     output in every speculative mode, with a draft that differs from the target."""
-    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.engine.config import EngineConfig
 
     runs = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=s, max_tokens=20, ignore_eos=True)
             for s in range(3) for (t, p, k) in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.2, 1.0, 5))]

@@ -16,7 +16,7 @@ from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, WorkerError
 from swiftspec.distributed.rendezvous import TOKEN_ENV
-from swiftspec.engine import llm_engine as engine
+from swiftspec.engine.config import EngineConfig, choose_mode
 from swiftspec.model_executor.models.llama import load_model
 from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
 
@@ -94,14 +94,14 @@ def test_staged_forward_equals_whole_model(target3, cuts):
 
 def test_pipeline_config_errors():
     with pytest.raises(ValueError, match="pipeline_order"):
-        engine.EngineConfig(mode="pipedec", pipeline_stages=2, pipeline_order="depth")
+        EngineConfig(mode="pipedec", pipeline_stages=2, pipeline_order="depth")
     with pytest.raises(ValueError, match="need pipeline_stages >= 2"):
-        engine.EngineConfig(mode="pipedec")
+        EngineConfig(mode="pipedec")
     with pytest.raises(ValueError, match="need pipeline_stages >= 2"):
-        engine.EngineConfig(mode="serial", pipeline_stages=2)
+        EngineConfig(mode="serial", pipeline_stages=2)
     with pytest.raises(ValueError, match="TP = 1"):
-        engine.EngineConfig(mode="pipedec", pipeline_stages=2, target_tp=2)
-    assert engine.choose_mode(engine.EngineConfig(pipeline_stages=3))[0] == "pipedec"
+        EngineConfig(mode="pipedec", pipeline_stages=2, target_tp=2)
+    assert choose_mode(EngineConfig(pipeline_stages=3))[0] == "pipedec"
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -302,9 +302,9 @@ def test_peer_without_the_secret_cannot_join_or_disturb(target3, draft3, referen
 
 def test_remote_stage_config_errors():
     with pytest.raises(ValueError, match="not later stages"):
-        engine.EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[0], master_port=1234)
+        EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[0], master_port=1234)
     with pytest.raises(ValueError, match="fixed master_port"):
-        engine.EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[1])
+        EngineConfig(mode="pipedec", pipeline_stages=2, remote_stages=[1])
 
 
 def test_cli_generate_in_a_pipeline_mode(target3, draft3, reference):

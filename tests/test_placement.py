@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from swiftspec import Engine
 from swiftspec.distributed.parallel import backend_for, control_backend, shares_gpu
-from swiftspec.engine import llm_engine as engine
+from swiftspec.engine.config import EngineConfig, choose_mode
 from swiftspec.engine.placement import (PlacementError, plan_groups, resolve_device, split_cores, split_gpus,
                                        union_cores)
 
@@ -96,7 +96,7 @@ def test_split_cores():
 
 
 def _cfg(**kw):
-    return engine.EngineConfig(**{"mode": "serial", **kw})
+    return EngineConfig(**{"mode": "serial", **kw})
 
 
 def test_plan_groups_cpu():
@@ -200,7 +200,7 @@ def test_devices_from_the_command_line_may_repeat():
 
     args = cli.build_parser().parse_args(["generate", "--device", "cuda", "--mode", "async", "--target-devices",
                                           "0,0", "--draft-devices", "0"])
-    cfg = engine.EngineConfig(**cli.engine_kwargs(args))
+    cfg = EngineConfig(**cli.engine_kwargs(args))
     assert (cfg.target_devices, cfg.draft_devices) == ([0, 0], [0])
     (g,) = plan_groups(_cfg(mode="autoregressive", target_devices=cfg.target_devices), "cuda", "T", None, [0],
                        n_gpus=1)
@@ -208,24 +208,24 @@ def test_devices_from_the_command_line_may_repeat():
 
 
 def test_auto_mode_on_gpus():
-    auto = engine.EngineConfig()
-    assert engine.choose_mode(auto, True, None, gpus=2)[0] == "async"
+    auto = EngineConfig()
+    assert choose_mode(auto, True, None, gpus=2)[0] == "async"
     # one GPU without a profile of it: the target alone, and the reason says how to measure
-    mode, why, tree = engine.choose_mode(auto, True, None, gpus=1)
+    mode, why, tree = choose_mode(auto, True, None, gpus=1)
     assert mode == "autoregressive" and "one GPU" in why and "swiftspec profile" in why and tree == {}
     # a profile measured on this GPU (its machine id names the GPU) decides, tree shape included
     stored = {"mode": "colocated", "bs": 4, "d": 2, "_measured": {"tokens_per_s": 99.0, "date": "today"}}
-    mode, why, tree = engine.choose_mode(auto, True, stored, gpus=1)
+    mode, why, tree = choose_mode(auto, True, stored, gpus=1)
     assert (mode, tree) == ("colocated", {"bs": 4, "d": 2}) and "measured it fastest" in why
-    assert engine.choose_mode(engine.EngineConfig(mode="colocated"), True, None, gpus=1)[0] == "colocated"
-    assert engine.choose_mode(engine.EngineConfig(mode="async"), True, None, gpus=1)[0] == "async"
+    assert choose_mode(EngineConfig(mode="colocated"), True, None, gpus=1)[0] == "colocated"
+    assert choose_mode(EngineConfig(mode="async"), True, None, gpus=1)[0] == "async"
 
 
 def test_engine_device_errors(tiny_dir, monkeypatch):
     with pytest.raises(ValueError, match="device must be one of"):
-        engine.EngineConfig(device="tpu")
+        EngineConfig(device="tpu")
     with pytest.raises(ValueError, match="need device 'cuda'"):
-        engine.EngineConfig(device="cpu", target_devices=[0])
+        EngineConfig(device="cpu", target_devices=[0])
     _cuda_visible(monkeypatch, 0)
     with pytest.raises(PlacementError, match="sees no CUDA device"):
         Engine(tiny_dir, mode="autoregressive", device="cuda")
@@ -242,9 +242,9 @@ def test_draft_sms_needs_colocated_on_cuda(tiny_dir, monkeypatch):
                        (dict(draft_sms=8, mode="autoregressive"), "mode='colocated'"),
                        (dict(draft_sms=8, device="cpu"), "device 'cuda'")):
         with pytest.raises(ValueError, match=match):
-            engine.EngineConfig(**{"mode": "colocated", **bad})
-    assert engine.EngineConfig(mode="colocated", draft_sms=32).draft_sms == 32
-    assert engine.EngineConfig(draft_sms=32).mode == "auto"  # decided once the mode is resolved
+            EngineConfig(**{"mode": "colocated", **bad})
+    assert EngineConfig(mode="colocated", draft_sms=32).draft_sms == 32
+    assert EngineConfig(draft_sms=32).mode == "auto"  # decided once the mode is resolved
     _cuda_visible(monkeypatch, 0)
     with pytest.raises(ValueError, match="runs on the CPU"):
         Engine(tiny_dir, tiny_dir, mode="colocated", draft_sms=8)  # device auto -> cpu here
@@ -259,13 +259,13 @@ def test_draft_sms_from_the_command_line_and_bench_config(tiny_dir, capsys):
 
     for cmd in ("generate", "serve"):
         args = cli.build_parser().parse_args([cmd, "--mode", "colocated", "--draft-sms", "32", "--device", "cuda"])
-        cfg = engine.EngineConfig(**cli.engine_kwargs(args))
+        cfg = EngineConfig(**cli.engine_kwargs(args))
         assert (cfg.mode, cfg.device, cfg.draft_sms) == ("colocated", "cuda", 32)
     assert "draft_sms" not in cli.engine_kwargs(cli.build_parser().parse_args(["generate"]))
     # `swiftspec bench --systems swiftspec-profiled --config bench/colocated-sm-partition.json`
     path = str(Path(__file__).resolve().parents[1] / "bench" / "colocated-sm-partition.json")
     assert expand_systems(["autoregressive", "swiftspec-profiled"], [path])[1] == ("swiftspec-profiled", path)
-    cfg = engine.EngineConfig.from_json(path, dtype="bfloat16", device="cuda")  # as EngineSystem reads it
+    cfg = EngineConfig.from_json(path, dtype="bfloat16", device="cuda")  # as EngineSystem reads it
     assert (cfg.mode, cfg.draft_sms) == ("colocated", 32)
     # a combination that cannot run is a usage error (exit status 2) before any model loads
     assert cli.main(["generate", "--prompt", "x", "--target", str(tiny_dir), "--draft", str(tiny_dir),

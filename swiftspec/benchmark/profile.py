@@ -152,7 +152,7 @@ def _engine_config(row: dict, dtype: str, devices: list[int], gpus: list[int]):
     """The :class:`~swiftspec.engine.config.EngineConfig` a candidate row describes: an ``async``
     row's ``target_cores`` / ``draft_cores`` are GPU indices where ``gpus`` is not empty (the
     processes then run on all ``devices``), else CPU cores; ``d == "auto"`` is the automatic d."""
-    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.engine.config import EngineConfig
 
     split = row["mode"] == "async"
     on_gpus = split and gpus
@@ -168,7 +168,7 @@ def _candidates(splits, shapes, devices: list[int], dflt, gpus: list[int], sms: 
     its automatic value: every async split x tree shape (``shapes``: (bs, w) pairs), serial with
     the default tree, the shallow and the middle tree, autoregressive, ngram, and on GPUs
     colocated with all SMs and with a quarter (``sms``: the first GPU's SM count) for the draft."""
-    from swiftspec.engine.llm_engine import SHALLOW_TREE
+    from swiftspec.engine.config import SHALLOW_TREE
 
     out = []
     for t_dev, d_dev in splits:
@@ -267,7 +267,7 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
     """
     from tqdm import tqdm
 
-    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.engine.config import EngineConfig
     from swiftspec.engine.machine_profile import save_profile
     from swiftspec.weights.loader import resolve_model
 
@@ -304,7 +304,7 @@ def retune(target_dir, draft_dir, progress: bool = True):
     this machine (:func:`swiftspec.model_executor.kernel_tuning.tune_kernels` with ``retune``; the
     rows of the default configuration's verification); returns the
     :class:`~swiftspec.ops.tuning.Choice` (None with the kernels unavailable)."""
-    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.engine.config import EngineConfig
     from swiftspec.model_executor.kernel_tuning import tune_kernels
 
     cfg = EngineConfig()

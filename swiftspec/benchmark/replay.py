@@ -100,7 +100,7 @@ def record_trace(args: argparse.Namespace, prompts: list[tuple[str, list[int], l
                  draft_dir: Path, dtype: str, machine: dict) -> None:
     """Rank the target's tokens among the draft's candidates (the draft built as the engine
     builds it: the first ``--config``'s or the default ``draft_quant`` and ``draft_vocab``) and write the trace."""
-    from swiftspec.engine.llm_engine import EngineConfig
+    from swiftspec.engine.config import EngineConfig
     from swiftspec.model_executor.models.config import ModelConfig
     from swiftspec.spec_decode import acceptance
 

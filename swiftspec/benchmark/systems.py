@@ -67,7 +67,8 @@ class EngineSystem:
     def __init__(self, system: str, target, draft, dtype: str, cores: list[int], d: int | None,
                  config: str | None = None, device: str = "auto"):
         from swiftspec.engine.config import TARGET_ONLY_MODES
-        from swiftspec.engine.llm_engine import Engine, EngineConfig
+        from swiftspec.engine.config import EngineConfig
+        from swiftspec.engine.llm_engine import Engine
 
         if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
             cfg = EngineConfig.from_json(config, dtype=dtype, device=device)

@@ -1,4 +1,4 @@
-"""The public engine: process lifecycle, requests, streaming and metrics.
+"""The public engine: its set-up, requests, streaming and metrics.
 
 ``Engine`` resolves the two models (default: the Qwen2.5-Coder pair, :func:`swiftspec.weights.loader.fetch_default_pair`), checks
 that they share a tokenizer, starts one worker process per TP rank of each device group, and
@@ -6,142 +6,31 @@ serves one request at a time. Any worker that dies or raises makes the current c
 a fraction of a second with :class:`WorkerError`; ``close()`` (or leaving the ``with`` block)
 stops every worker.
 
-Configuration: :mod:`swiftspec.engine.config`. Architecture: docs/architecture.md §1.
+Configuration: :mod:`swiftspec.engine.config`; outputs and errors: :mod:`swiftspec.engine.outputs`; the
+worker processes: :mod:`swiftspec.engine.processes`. Architecture: docs/architecture.md §1.
 """
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
-import shutil
 import sys
 import time
-import weakref
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection, wait
+from dataclasses import replace
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-# the configuration lives in swiftspec.engine.config; its names stay importable from here
-from swiftspec.engine.config import (  # noqa: F401
-    MODES,
-    PIPELINE_MODES,
-    PREFILL_TOKENS_PER_S,
-    SHALLOW_TREE,
-    TARGET_ONLY_MODES,
-    WEIGHT_FORMATS,
-    EngineConfig,
-    _available_cores,
-    choose_mode,
-    cpu_has_bf16,
-)
+from swiftspec.engine.config import PREFILL_TOKENS_PER_S, EngineConfig, _available_cores, choose_mode, cpu_has_bf16
 from swiftspec.engine.detokenize import IncrementalText
 from swiftspec.engine.metrics import RequestMetrics
+from swiftspec.engine.outputs import (EngineError, GenerationOutput, RequestError, StreamChunk, TokenizerMismatchError,
+                                      _Collected, _stop_prefix_len)
 from swiftspec.engine.placement import Group, PlacementError, plan_groups, uses_draft
-from swiftspec.engine.worker import WorkerSpec, worker_main
+from swiftspec.engine.processes import WorkerProcesses
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
-from swiftspec.model_executor.sampling import SamplingParams, TokenLogprob
-from swiftspec.pipeline.worker import stage_main
-from swiftspec.spec_decode.modes import mode_for
+from swiftspec.model_executor.sampling import SamplingParams
 from swiftspec.spec_decode.scheduler import Request
 
 if TYPE_CHECKING:
     from swiftspec.spec_decode.acceptance import Replay
-
-
-
-class EngineError(RuntimeError):
-    """The engine cannot serve (closed, or misconfigured)."""
-
-
-class WorkerError(EngineError):
-    """A worker process raised or died; the engine has been shut down."""
-
-
-class RequestError(RuntimeError):
-    """One request raised in a worker (``"Type: message"``); the workers live on and serve the next."""
-
-
-class TokenizerMismatchError(ValueError):
-    """The draft and target models do not share a tokenizer."""
-
-
-@dataclass
-class GenerationOutput:
-    """Result of :meth:`Engine.generate`.
-
-    Attributes:
-        text: generated text (special tokens removed, cut before any stop string).
-        token_ids: generated token ids (EOS included when it ended the request).
-        finish_reason: "stop" (EOS or stop string) or "length" (max_tokens or context).
-        metrics: timings, compression ratio and histograms (:class:`RequestMetrics`).
-        logprobs: one :class:`~swiftspec.model_executor.sampling.TokenLogprob` per token of ``token_ids`` when
-            ``SamplingParams.logprobs`` was set, else None.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprob] | None = None
-
-    def to_dict(self) -> dict:
-        """The output as a JSON-able dict (what ``swiftspec generate --json`` prints): text, token
-        ids, finish reason, mode, compression ratio, tokens/s, TTFT and time between tokens in
-        seconds, the full metrics, and the log-probabilities (natural log) where they were asked for."""
-        m = self.metrics
-        return {"text": self.text, "token_ids": self.token_ids, "num_tokens": len(self.token_ids),
-                "finish_reason": self.finish_reason, "mode": m.mode, "compression_ratio": m.compression_ratio,
-                "tokens_per_s": m.tokens_per_s, "ttft_s": m.ttft_s, "tbt_mean_s": m.tbt_mean_s,
-                "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "metrics": m.to_dict(),
-                **({} if self.logprobs is None else {"logprobs": [
-                    {"token_id": x.token_id, "logprob": x.logprob, "top": [list(t) for t in x.top]}
-                    for x in self.logprobs]})}
-
-
-@dataclass
-class StreamChunk:
-    """One piece of a streamed generation: ``text`` is the new text since the previous chunk,
-    ``token_ids`` (and ``logprobs``, when asked for) the tokens verified since then (a token whose
-    text is held back, e.g. a possible start of a stop string, comes with a later chunk); the last
-    chunk has ``finished=True`` and carries the whole :class:`GenerationOutput`."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    output: GenerationOutput | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class _Collected:
-    """What one request has produced so far (engine side)."""
-
-    events: list[tuple[float, int]] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    done: dict[str, tuple] = field(default_factory=dict)
-    expect_done: set[str] = field(default_factory=set)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    sent: int = 0  # tokens handed out in chunks so far
-    detok: IncrementalText | None = None  # the streamed text, decoded a window at a time (set by stream)
-
-    def unsent(self, with_logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
-        """The tokens (and their log-probabilities, if asked for) not yet in a chunk; marks them sent."""
-        n0, self.sent = self.sent, len(self.tokens)
-        return self.tokens[n0:], self.logprobs[n0:] if with_logprobs else None
-
-
-def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that begins one of the ``stop`` strings: a stream
-    holds it back until the next tokens show whether the stop string completes (and the text is
-    cut there) or not, so the streamed text always equals the final text."""
-    held = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return held
 
 
 class Engine:
@@ -204,11 +93,7 @@ class Engine:
                              f"but mode={config.mode!r} runs {mode!r} here ({self.mode_reason}): set mode='colocated'")
         payback = config.mode == "auto" if config.draft_payback is None else config.draft_payback
         self.config = config = replace(config, mode=mode, draft_payback=payback, **tree)
-        self._procs: list[mp.Process] = []
-        self._conns: list[Connection] = []
-        self._dirs: list[str] = []  # the workers' private rendezvous directory, removed at close
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dirs)
+        self._processes = WorkerProcesses()
         if not uses_draft(config.mode):
             self.draft_path = None
         else:
@@ -255,74 +140,18 @@ class Engine:
                            None if self.draft_path is None else str(self.draft_path), _available_cores(), gpus)
 
     def _start_workers(self) -> None:
-        from swiftspec.distributed.rendezvous import pipeline_token, private_dir
-
-        ctx = mp.get_context("spawn")
-        layout = self._layout()
-        groups, rank = [], 0
-        for g in layout:
-            groups.append(list(range(rank, rank + g.tp)))
-            rank += g.tp
-        world = rank
-        world_devices = [d for g in layout for d in g.devices]  # ranks sharing a GPU: gloo + LL collectives
-        pipelined = self.config.pipeline_stages > 1
-        # ranks spawned here meet in a private directory (no listener); remote stages over TCP, with the secret
-        remote = pipelined and bool(self.config.remote_stages)
-        if remote:
-            pipeline_token()  # raises ValueError naming the variable before any process starts
-        port = self.config.master_port if remote else 0
-        rendezvous_dir = None
-        if not remote and (pipelined or any(len(g) > 1 for g in groups)):
-            rendezvous_dir = private_dir()
-            self._dirs.append(rendezvous_dir)
-        stage_layers = self._stage_layers() if pipelined else None
-        tok_file = str(Path(self.target_path) / "tokenizer.json")
-        self._leader_conns: dict[str, Connection] = {}
-        peer_ends = ctx.Pipe() if self.config.mode == "async" else (None, None)
-        handed_over = [c for c in peer_ends if c is not None]  # ends that live in the workers
-        dtype = self._dtype()
-        self.dtype = dtype
+        """Spawn the workers of :meth:`_layout` and wait until every one has loaded its models."""
+        self.dtype = self._dtype()
         draft_quant = self.config.draft_quant_method
         if self.device == "cuda" and draft_quant is not None:
-            print(f"swiftspec: draft_quant={draft_quant} has no CUDA kernel; the draft runs in {dtype}", file=sys.stderr)
+            print(f"swiftspec: draft_quant={draft_quant} has no CUDA kernel; the draft runs in {self.dtype}",
+                  file=sys.stderr)
             draft_quant = None
-        for gi, group in enumerate(layout):
-            kind, models = group.kind, group.models
-            if pipelined and gi in self.config.remote_stages:
-                continue  # started on its host by `swiftspec worker`
-            follower_pipes = [ctx.Pipe() for _ in range(group.tp - 1)]
-            handed_over += [c for pair in follower_pipes for c in pair]
-            for j, r in enumerate(groups[gi]):
-                spec = WorkerSpec(config=self.config, rank=r, world_size=world, port=port, rendezvous_dir=rendezvous_dir,
-                                  groups=groups, group=gi,
-                                  models=models, kind=kind,
-                                  decode_mode=None if kind == "stage" or pipelined else mode_for(kind),
-                                  cores=group.cores[j], threads=len(group.cores[j]), device=group.devices[j],
-                                  dtype=dtype, draft_vocab=self.config.draft_logits_vocab(self.vocab_limit),
-                                  draft_quant=draft_quant, tokenizer_file=tok_file,
-                                  stages=len(layout) if pipelined else 1, stage_layers=stage_layers,
-                                  world_devices=world_devices)
-                parent, child = ctx.Pipe()
-                if j == 0:
-                    followers = [p[0] for p in follower_pipes]
-                    leader = None
-                    peer = peer_ends[gi] if kind in (ROLE_TARGET, ROLE_DRAFT) else None
-                    if kind != "stage":  # later pipeline stages follow stage 0, not the engine
-                        self._leader_conns[kind] = parent
-                else:
-                    followers, leader, peer = [], follower_pipes[j - 1][1], None
-                # the engine picks the process entry point: a pipeline stage, or a TP rank of a group
-                p = ctx.Process(target=stage_main if spec.stages > 1 else worker_main,
-                                args=(spec, child, followers, leader, peer),
-                                name=f"swiftspec-{kind}-{gi if kind == 'stage' else j}", daemon=True)
-                with _main_module_hidden():
-                    p.start()
-                child.close()
-                self._procs.append(p)
-                self._conns.append(parent)
-        for c in handed_over:  # the workers have their copies; ours would only leak descriptors
-            c.close()
-        self._wait_ready()
+        self._processes.start(self._layout(), self.config, dtype=self.dtype,
+                              draft_vocab=self.config.draft_logits_vocab(self.vocab_limit), draft_quant=draft_quant,
+                              tokenizer_file=str(Path(self.target_path) / "tokenizer.json"),
+                              stage_layers=self._stage_layers() if self.config.pipeline_stages > 1 else None)
+        self._processes.wait_ready(self.config.start_timeout_s)
 
     def _stage_layers(self) -> list[tuple[int, int]]:
         """The target's layers of each pipeline stage, balanced by the weight bytes a forward reads."""
@@ -339,73 +168,6 @@ class Engine:
             rows = self.config.draft_logits_vocab(d_cfg.vocab_size) / d_cfg.vocab_size
             draft = sum(d_layers) + int(d_head * rows / (2 if self.config.draft_quant == "int8" else 1))
         return [(r.start, r.stop) for r in partition_layers(layers, self.config.pipeline_stages, head, draft)]
-
-    def _wait_ready(self) -> None:
-        """Wait for every worker's ``("ready", pid[, info])``; ``self.workers`` gets each worker's
-        info (:func:`swiftspec.engine.worker.ready_info`; ``pid`` and ``kernels`` from pipeline stage 0)."""
-        pending = set(range(len(self._procs)))
-        self.workers: list[dict] = [{} for _ in self._procs]
-        deadline = time.monotonic() + self.config.start_timeout_s
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._fail(f"workers did not load their models within {self.config.start_timeout_s:.0f} s")
-            for i in list(pending):
-                c = self._conns[i]
-                if c.poll():
-                    msg = self._recv(c)
-                    if msg[0] == "ready":
-                        self.workers[i] = msg[2] if len(msg) > 2 else {"pid": msg[1]}
-                        pending.discard(i)
-            self._check_alive()
-            if pending:
-                wait([self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending],
-                     timeout=min(left, 0.5))
-
-    # ---- failure handling ---------------------------------------------------------------
-    def _fail(self, why: str):
-        self.close()
-        raise WorkerError(why)
-
-    def _recv(self, conn: Connection):
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            # The pipe reports EOF a moment before the dying process can be reaped (its fds close
-            # before it turns zombie); wait for that so the error names the worker that died.
-            deadline = time.monotonic() + 2.0
-            while all(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self._check_alive()
-            self._fail("a worker closed its pipe unexpectedly")
-        if msg[0] == "error":
-            self._fail_with_cause(msg[1])
-        return msg
-
-    def _fail_with_cause(self, error: str):
-        """A worker reported an error; if it only lost a peer, name the peer that died."""
-        time.sleep(0.1)
-        dead = [p for p in self._procs if not p.is_alive()]
-        lost = ("ConnectionResetError", "EOFError", "BrokenPipeError", "Connection reset by peer",
-                "Connection closed by peer")  # the last two: gloo's words for a peer rank that died
-        if dead and any(e in error for e in lost):
-            self._fail("; ".join(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}"
-                                 for p in dead) + f"\n(a peer noticed: {error.strip().splitlines()[-1]})")
-        self._fail(f"worker failed:\n{error}")
-
-    def _check_alive(self) -> None:
-        for p in self._procs:
-            if not p.is_alive():
-                # give its error message (if it sent one) a moment to arrive
-                for c in self._conns:
-                    if c.poll(0.05):
-                        try:
-                            msg = c.recv()
-                        except (EOFError, OSError):
-                            continue
-                        if msg[0] == "error":
-                            self._fail_with_cause(msg[1])
-                self._fail(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}")
 
     # ---- requests -----------------------------------------------------------------------
     def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
@@ -468,7 +230,7 @@ class Engine:
         so a dead worker is noticed) and resumes it. The generator must be resumed and closed in
         one thread at a time; closing an unfinished stream cancels the request and waits (up to
         one decoding iteration) for the workers to acknowledge."""
-        if self._closed:
+        if self._processes.closed:
             raise EngineError("engine is closed")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -494,23 +256,24 @@ class Engine:
         req = Request(ids, params, min(params.max_tokens, limit - len(ids)), self.eos_ids, self.config.d, trace,
                       replay)
         t_start = time.perf_counter()
-        for conn in self._leader_conns.values():
+        for conn in self._processes.leaders.values():
             conn.send(("generate", req))
         yield from self._collect(req, t_start, nowait)
 
     def wait_fds(self) -> list[int]:
         """File descriptors that become readable when a worker has a message for a stream or a
         worker exits (see :meth:`stream`'s ``nowait``)."""
-        return [c.fileno() for c in self._leader_conns.values()] + [p.sentinel for p in self._procs]
+        return self._processes.fds()
 
     def _collect(self, req: Request, t_start: float, nowait: bool = False) -> Iterator[StreamChunk | None]:
         st = _Collected(detok=IncrementalText(self.tokenizer, req.params.stop))
-        conns = list(self._leader_conns.values())
+        conns = list(self._processes.leaders.values())
         try:
             yield from self._receive(req, st, conns, nowait)
         finally:
-            if st.expect_done and not self._closed:  # the caller stopped reading the stream
-                self._cancel(st.expect_done, conns)
+            if st.expect_done and not self._processes.closed:  # the caller stopped reading the stream
+                leaders = self._processes.leaders  # the target group's, else the one group's (kind: the mode)
+                self._processes.cancel(leaders.get(ROLE_TARGET) or leaders[self.config.mode], st.expect_done, conns)
         stats, runner_stats = st.done[next(k for k in st.done if k != ROLE_DRAFT)]
         draft = {}
         if ROLE_DRAFT in st.done:
@@ -531,27 +294,11 @@ class Engine:
         ids, lps = st.unsent(want_lp)
         yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", ids, True, out, lps)
 
-    def _messages(self, conns: list[Connection], nowait: bool = False) -> Iterator[tuple]:
-        """Worker messages as they arrive, plus a ``("tick",)`` after every wait (at most 1 s) so
-        callers can keep time; between waits, a dead worker raises WorkerError. ``nowait``:
-        ``("would_block",)`` where it would wait (the caller waits, see :meth:`stream`)."""
-        while True:
-            if not nowait:
-                wait(conns + [p.sentinel for p in self._procs], timeout=1.0)
-            elif not any(c.poll() for c in conns):
-                self._check_alive()
-                yield ("would_block",)
-            for conn in conns:
-                while conn.poll():
-                    yield self._recv(conn)
-            self._check_alive()
-            yield ("tick",)
-
     def _receive(self, req: Request, st: "_Collected", conns: list[Connection],
                  nowait: bool = False) -> Iterator[StreamChunk | None]:
-        st.expect_done = set(self._leader_conns)
+        st.expect_done = set(self._processes.leaders)
         last = time.monotonic()
-        for msg in self._messages(conns, nowait):
+        for msg in self._processes.messages(conns, nowait):
             if msg[0] in ("would_block", "tick"):
                 self._check_progress(time.monotonic() - last, len(req.prompt_ids) if not st.tokens else 0)
             else:
@@ -587,22 +334,9 @@ class Engine:
             return
         limit += prefill_tokens / PREFILL_TOKENS_PER_S
         if silent_s > limit:
-            names = ", ".join(f"{p.name} (pid {p.pid})" for p in self._procs)
-            self._fail(f"the workers made no progress for {silent_s:.0f} s (limit {limit:.0f} s): a frozen or "
-                       f"hung worker among {names}")
-
-    def _cancel(self, expect_done: set[str], conns: list[Connection]) -> None:
-        """Stop the running request and drain its messages, so the next request starts clean."""
-        lead = self._leader_conns.get(ROLE_TARGET) or self._leader_conns[self.config.mode]
-        lead.send(("cancel",))
-        deadline = time.monotonic() + 30.0
-        for msg in self._messages(conns):
-            if msg[0] in ("done", "failed"):
-                expect_done.discard(msg[1])
-            if not expect_done:
-                return
-            if time.monotonic() > deadline:
-                self._fail("workers did not acknowledge a cancelled request within 30 s")
+            names = ", ".join(f"{p.name} (pid {p.pid})" for p in self._processes.procs)
+            self._processes.fail(f"the workers made no progress for {silent_s:.0f} s (limit {limit:.0f} s): "
+                                 f"a frozen or hung worker among {names}")
 
     def _text(self, ids: list[int], stop: tuple[str, ...]) -> str:
         """The final text: all of ``ids`` decoded once, cut before the earliest stop string (the
@@ -632,62 +366,20 @@ class Engine:
     @property
     def pids(self) -> list[int]:
         """Process ids of the workers (for monitoring and tests)."""
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._processes.procs]
+
+    @property
+    def workers(self) -> list[dict]:
+        """One dict per worker process, as it reported when ready
+        (:func:`swiftspec.engine.worker.ready_info`: pid, device, ``comm_backend``, CUDA graphs, ...)."""
+        return self._processes.ready
 
     def close(self) -> None:
         """Stop every worker (graceful, then terminate, then kill). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        _shutdown(self._procs, self._conns, self._dirs)
+        self._processes.close()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """Start workers without re-running the caller's script.
-
-    The ``spawn`` start method re-imports ``__main__`` in every child, which runs a user's
-    top-level ``Engine(...)`` again (and fails without an ``if __name__ == "__main__"`` guard).
-    Workers need nothing from the caller's script, so hide its path while the child starts.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
-    try:
-        for k in saved:
-            setattr(main, k, None)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
-
-
-def _shutdown(procs: list[mp.Process], conns: list[Connection], dirs: list[str]) -> None:
-    for c in conns:
-        try:
-            c.send(("shutdown",))
-        except (BrokenPipeError, OSError, EOFError):
-            pass
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(2.0)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-    for c in conns:
-        try:
-            c.close()
-        except OSError:
-            pass
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)

@@ -192,7 +192,7 @@ def union_cores(target_cores: list[int] | None, draft_cores: list[int] | None, c
 
 def plan_groups(config, device: str, target: str, draft: str | None, cores: list[int],
                 n_gpus: int = 0) -> list[Group]:
-    """The engine's device groups for ``config`` (an :class:`swiftspec.engine.llm_engine.EngineConfig` whose
+    """The engine's device groups for ``config`` (an :class:`swiftspec.engine.config.EngineConfig` whose
     mode is resolved): async has a target group and a draft group, serial and colocated one
     group holding both models, autoregressive one group holding the target. ``device`` is "cpu" or "cuda" (resolved),
     ``cores`` the cores this process may use, ``n_gpus`` the visible GPUs.

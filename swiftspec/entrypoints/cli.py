@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     the message on stderr for a usage, model or engine error (``ValueError``, ``ModelLoadError``,
     ``EngineError``, ``FileNotFoundError``); 130 on Ctrl-C."""
     args = build_parser().parse_args(argv)
-    from swiftspec.engine.llm_engine import EngineError
+    from swiftspec.engine.outputs import EngineError
     from swiftspec.weights.loader import ModelLoadError
 
     try:

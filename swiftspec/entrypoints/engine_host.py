@@ -12,8 +12,8 @@ acknowledgement runs off the loop).
 
 A failure is the request's own unless the engine cannot serve: a bad prompt or parameter is a
 400; a request that raised in a worker that lives on
-(:class:`~swiftspec.engine.llm_engine.RequestError`), or in the server, a 500; only a dead or
-stuck worker (:class:`~swiftspec.engine.llm_engine.WorkerError`) gives 503 and restarts the engine
+(:class:`~swiftspec.engine.outputs.RequestError`), or in the server, a 500; only a dead or
+stuck worker (:class:`~swiftspec.engine.outputs.WorkerError`) gives 503 and restarts the engine
 in the background while holding the slot, so queued requests wait for it (they are not failed)
 and ``/health`` answers 503 ``{"status": "restarting"}`` meanwhile.
 """
@@ -49,7 +49,7 @@ class Metrics:
                                registry=r)
 
     def record(self, out) -> None:
-        """Count a finished :class:`~swiftspec.engine.llm_engine.GenerationOutput`'s tokens and timings."""
+        """Count a finished :class:`~swiftspec.engine.outputs.GenerationOutput`'s tokens and timings."""
         m = out.metrics
         self.tokens.inc(len(out.token_ids))
         self.prompt_tokens.inc(m.prompt_tokens)
@@ -143,7 +143,7 @@ class EngineHost:
 
     async def run(self, encode: Callable[[object], list[int]], params,
                   is_gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
-        """Yield the engine's :class:`~swiftspec.engine.llm_engine.StreamChunk` s for one request,
+        """Yield the engine's :class:`~swiftspec.engine.outputs.StreamChunk` s for one request,
         after waiting for its turn. ``encode(engine)`` gives the prompt's token ids (run in a
         thread, in the request's turn). Stopping the iteration (a disconnected client) cancels it.
         ``is_gone()`` (the client disconnected?) is asked when the turn comes and at least every
@@ -215,7 +215,7 @@ class EngineHost:
     def _classify(self, error: Exception) -> APIError:
         """The reply to a request that raised ``error``; a dead worker also marks the engine for
         its restart when the slot ends."""
-        from swiftspec.engine.llm_engine import EngineError, RequestError
+        from swiftspec.engine.outputs import EngineError, RequestError
 
         if isinstance(error, APIError):
             return error

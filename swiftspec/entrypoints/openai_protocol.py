@@ -198,7 +198,7 @@ def new_id(prefix: str) -> str:
 
 
 def usage(out) -> dict:
-    """The ``usage`` object (token counts) of a finished :class:`~swiftspec.engine.llm_engine.GenerationOutput`."""
+    """The ``usage`` object (token counts) of a finished :class:`~swiftspec.engine.outputs.GenerationOutput`."""
     m = out.metrics
     return {"prompt_tokens": m.prompt_tokens, "completion_tokens": len(out.token_ids),
             "total_tokens": m.prompt_tokens + len(out.token_ids)}
