@@ -75,7 +75,7 @@ def random_pair(args: argparse.Namespace, dtype: str) -> tuple[Path, Path]:
     return target, draft
 
 
-def trace_prompts(args: argparse.Namespace) -> list[tuple[str, list[int], int, "Replay"]]:
+def trace_prompts(args: argparse.Namespace) -> list[tuple[str, list[int], int, "acceptance.Replay"]]:
     """The trace's prompts for this run: (dataset, prompt ids, tokens to generate, its
     :class:`~swiftspec.spec_decode.acceptance.Replay`), the first ``--num-prompts`` of each dataset in
     ``--prompts``, at most ``--max-tokens`` tokens each."""
