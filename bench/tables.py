@@ -350,7 +350,7 @@ def block(spec: str, results: Path = RESULTS) -> str:
         rec = _load(names[0], results)
         head = f"Record `bench/results/{names[0]}`"
         if isinstance(rec, dict) and "records" not in rec and "table" not in rec:  # those two name their command
-            cmd = rec.get("command") or ("python " + shlex.join(rec["argv"]) if "argv" in rec else None)
+            cmd = _record_command(rec)
             head += f", command: `{cmd}`" if cmd else ""
         return f"{head}:\n\n{render(rec)}"
     if kind == "summary":
@@ -360,6 +360,11 @@ def block(spec: str, results: Path = RESULTS) -> str:
     if kind == "steps" and len(names) == 1:
         return steps(names[0], results)
     raise ValueError(f"block {spec!r}: KIND is record (one file), summary, generate or steps (one file)")
+
+
+def _record_command(rec: dict) -> str | None:
+    """The command a benchmark record was written by (its ``command``, or ``argv`` run with python)."""
+    return rec.get("command") or ("python " + shlex.join(rec["argv"]) if "argv" in rec else None)
 
 
 def steps(name: str, results: Path = RESULTS) -> str:
@@ -382,7 +387,7 @@ def steps(name: str, results: Path = RESULTS) -> str:
         wide = next(r for r in rec["rows"] if r["model"] == m and r["rows"] == widest)
         lines.append(f"| `{m}` | {1e3 * one.get('graph_s', one['eager_s']):.2f} | {100 * one['of_limit']:.0f} % | "
                      f"{100 * one.get('of_spec_sheet', float('nan')):.0f} % | {wide.get('vs_one_row', float('nan')):.2f} |")
-    cmd = re.sub(r" --out \S+", "", rec.get("command") or ("python " + shlex.join(rec["argv"]) if "argv" in rec else ""))
+    cmd = re.sub(r" --out \S+", "", _record_command(rec) or "")
     return "\n".join(lines + ["", f"Record `bench/results/{name}`" + (f", command: `{cmd}`" if cmd else "")])
 
 
