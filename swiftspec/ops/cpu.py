@@ -3,7 +3,12 @@
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja, pybind11,
 OpenMP through ``at::parallel_for``) for the machine it runs on (``-march=native``), into
 ``$SWIFTSPEC_CACHE/build/`` (default ``~/.cache/swiftspec/build``); later loads only check the
-sources' hash. ``SWIFTSPEC_CPU_ARCH=<gcc -march value>`` builds for that architecture instead
+sources' hash. The compiler reads a copy of the sources kept in the build directory
+(:func:`mirror_sources`), not the checkout: ninja keys its rebuild decisions on the command lines,
+which name the source paths, so two checkouts (a clean clone of the same commit, a worktree)
+compiling from their own paths rebuilt every file each time the other had built (minutes on 2
+cores); from the copy, identical sources are never rebuilt and a changed file rebuilds only its
+own objects. Compiler messages therefore name ``<build dir>/src/cpu/<file>``. ``SWIFTSPEC_CPU_ARCH=<gcc -march value>`` builds for that architecture instead
 (a module and build directory of its own): ``x86-64-v3`` is the code an AVX2-only CPU (AMD Zen 3)
 builds for itself, so an AVX-512 machine can run and time what such a CPU runs (with
 ``SWIFTSPEC_QUANT_GEMM=avx2``, the quantized GEMM being picked at run time, and
@@ -107,6 +112,28 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def mirror_sources(bdir: Path, files: list[Path]) -> list[Path]:
+    """Copy ``files`` (under :data:`CSRC`) and every header of ``CSRC/include`` and ``CSRC/cpu``
+    to ``bdir/src/`` (same relative paths), writing a file only where its bytes differ, so the
+    copies of unchanged files keep their modification times and ninja leaves their objects
+    alone; copies of files gone from :data:`CSRC` are removed. Returns the copies of ``files``.
+    The caller holds the build directory's lock."""
+    headers = [p for d in (CSRC / "include", CSRC / "cpu") for p in d.rglob("*") if p.is_file() and p.suffix != ".cpp"]
+    wanted = {p.relative_to(CSRC): p for p in [*files, *headers]}
+    dst_root = bdir / "src"
+    for rel, src in wanted.items():
+        dst, data = dst_root / rel, src.read_bytes()
+        if not dst.is_file() or dst.read_bytes() != data:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    for old in [p for p in dst_root.rglob("*") if p.is_file()]:
+        if old.relative_to(dst_root) not in wanted:
+            old.unlink()
+    return [dst_root / p.relative_to(CSRC) for p in files]
+
+
 @functools.lru_cache(maxsize=None)
 def load(flag_bits: int | None = None, verbose: bool = False):
     """The compiled extension module.
@@ -129,9 +156,10 @@ def load(flag_bits: int | None = None, verbose: bool = False):
     try:
         with _exclusive(bdir / "swiftspec.flock", timeout_s=1800):
             (bdir / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed process
+            srcs = mirror_sources(bdir, sources(flag_bits))
             return cpp_extension.load(
-                name=name, sources=[str(p) for p in sources(flag_bits)],
-                extra_include_paths=[str(CSRC / "include")], extra_cflags=cflags,
+                name=name, sources=[str(p) for p in srcs],
+                extra_include_paths=[str(bdir / "src" / "include")], extra_cflags=cflags,
                 extra_ldflags=["-fopenmp", "-lrt"], build_directory=str(bdir), verbose=verbose)
     except Exception as e:  # compiler errors surface as RuntimeError / CalledProcessError / ImportError
         raise KernelBuildError(f"building the CPU kernels ({name}) failed: {e}") from e
