@@ -18,7 +18,7 @@ from swiftspec import Engine, SamplingParams, WorkerError
 from swiftspec.distributed.rendezvous import TOKEN_ENV
 from swiftspec.engine.config import EngineConfig, choose_mode
 from swiftspec.model_executor.models.llama import load_model
-from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
+from swiftspec.pipeline.partition import checkpoint_layer_bytes, partition_layers
 
 PROMPT = "hello world, this is a test"
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -64,7 +64,7 @@ def test_checkpoint_layer_bytes(target3):
 def test_model_digest(target3, tmp_path):
     import shutil
 
-    from swiftspec.pipeline.stages import model_digest
+    from swiftspec.pipeline.membership import model_digest
 
     copy = shutil.copytree(target3, tmp_path / "copy")
     first = model_digest(copy)
@@ -264,7 +264,7 @@ def test_peer_without_the_secret_cannot_join_or_disturb(target3, draft3, referen
 
     from swiftspec.distributed.parallel import free_tcp_port
     from swiftspec.distributed.rendezvous import token_prefix
-    from swiftspec.pipeline.stages import HEARTBEAT_LIMIT_S
+    from swiftspec.pipeline.membership import HEARTBEAT_LIMIT_S
 
     port = free_tcp_port()
     intruder = _remote_stage(target3, port, token="not-the-secret-0123456789")

@@ -155,7 +155,7 @@ class Engine:
 
     def _stage_layers(self) -> list[tuple[int, int]]:
         """The target's layers of each pipeline stage, balanced by the weight bytes a forward reads."""
-        from swiftspec.pipeline.stages import checkpoint_layer_bytes, partition_layers
+        from swiftspec.pipeline.partition import checkpoint_layer_bytes, partition_layers
 
         layers, head = checkpoint_layer_bytes(self.target_path, self.target_cfg.num_layers)
         draft = 0

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from swiftspec.model_executor.sampling import Sampler
-from swiftspec.pipeline.stages import PipelineLeader, Work
+from swiftspec.pipeline.control import Work
+from swiftspec.pipeline.stages import PipelineLeader
 from swiftspec.spec_decode.scheduler import Request, StopChecker, TargetStats
 
 PROMPT_ROW = -1  # row id of the prompt's tokens in the prefill micro-batch

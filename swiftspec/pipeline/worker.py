@@ -1,8 +1,8 @@
 """Pipeline stage processes: stage 0 (the leader, started by the engine) and stages 1..S-1,
 started by the engine on this host or by ``swiftspec worker`` on others (docs/architecture.md §10).
 
-Every stage: pin cores, join the rendezvous (:func:`swiftspec.pipeline.stages.join`), receive the
-leader's :class:`~swiftspec.pipeline.stages.StagePlan` and check the model digest, load only its
+Every stage: pin cores, join the rendezvous (:func:`swiftspec.pipeline.membership.join`), receive the
+leader's :class:`~swiftspec.pipeline.membership.StagePlan` and check the model digest, load only its
 layers, wait for all stages, start the heartbeat, then run (leader: one
 :class:`~swiftspec.pipeline.decode.PipelineDecoder` request after another; others:
 :func:`~swiftspec.pipeline.stages.serve_stage`). A lost stage or host ends every other stage's process
@@ -20,16 +20,8 @@ import torch
 
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.pipeline import MODES
-from swiftspec.pipeline.stages import (
-    LEADER,
-    Heartbeat,
-    PipelineLeader,
-    Stage,
-    StagePlan,
-    exchange_plan,
-    join,
-    model_digest,
-)
+from swiftspec.pipeline.membership import LEADER, Heartbeat, StagePlan, exchange_plan, join, model_digest
+from swiftspec.pipeline.stages import PipelineLeader, Stage
 
 
 def capacity(max_model_len: int, width: int, stages: int) -> int:
@@ -60,7 +52,7 @@ class LockedConn:
 def setup(rank: int, stages: int, master_addr: str, master_port: int, target: str, draft: str | None,
           plan: StagePlan | None, timeout_s: float, draft_quant: str | None = None,
           draft_vocab: int | None = None, *, local_dir: str | None = None, token: str | None = None):
-    """Join (``local_dir`` / ``token``: see :func:`~swiftspec.pipeline.stages.join`), agree on the
+    """Join (``local_dir`` / ``token``: see :func:`~swiftspec.pipeline.membership.join`), agree on the
     plan, load this stage (and the leader's draft). Returns ``(plan, runners, peers, store)``;
     ``plan`` is the leader's (None on the other stages)."""
     from swiftspec import ops
@@ -145,7 +137,7 @@ def follow(rank: int, stages: int, master_addr: str, master_port: int, target: s
            on_lost, ready=None, *, local_dir: str | None = None, token: str | None = None) -> None:
     """Stages 1..S-1: set up, then follow the leader's timesteps until it ends the pipeline.
     ``on_lost(message)`` is called (from the heartbeat thread) when a peer is gone; ``ready()``
-    once the stage is loaded; ``local_dir`` / ``token``: see :func:`~swiftspec.pipeline.stages.join`."""
+    once the stage is loaded; ``local_dir`` / ``token``: see :func:`~swiftspec.pipeline.membership.join`."""
     from swiftspec.pipeline.stages import leave, serve_stage
 
     _, runners, peers, store = setup(rank, stages, master_addr, master_port, target, None, None, timeout_s,
