@@ -377,3 +377,17 @@ def test_soak_answers_every_valid_request_and_memory_stays_flat(tiny_dir):
         leftovers = server.stop()
     assert leftovers == []
 
+
+def test_attack_harness_records_each_case():
+    """bench/server_load.py attack's harness on a few of its cases (one request error, a request
+    raising in a worker through the injected fault, the deadline, a killed worker): each got the
+    status it must, only the killed worker restarted the engine, /health was 200 after each, and
+    nothing was left behind."""
+    sa = _bench_module("server_attacks")
+    sl = _bench_module("server_load")
+    res = sa.attack(sl.Server, ["bad_json", "worker_raises", "deadline", "worker_sigkill"])
+    by = {c["case"]: c for c in res["cases"]}
+    assert [by[n]["status"] for n in by] == [400, 500, 200, 503], res
+    assert [by[n]["restarted"] for n in by] == [0, 0, 0, 1] and by["deadline"]["finish_reason"] == "timeout"
+    assert all(c["health_after"]["code"] == 200 and c["ok"] for c in res["cases"]), res
+    assert res["passed"] == res["total"] == 4 and res["leftover_processes_at_exit"] == []

@@ -268,7 +268,7 @@ class EngineHost:
             return APIError(500, f"the request failed in the engine ({detail}); the engine serves on")
         if isinstance(error, (EngineError, OSError)):  # WorkerError is an EngineError; OSError: a pipe gone
             self._restart_pending = True
-            cause = "a worker died" if isinstance(error, EngineError) else type(error).__name__
+            cause = "a worker failed" if isinstance(error, EngineError) else type(error).__name__
             self.failure = f"{cause}: {detail}"
             return APIError(503, f"the engine failed ({cause}: {detail}); it is restarting, retry the request")
         return APIError(500, f"the request failed ({type(error).__name__}: {detail}); the engine serves on")
