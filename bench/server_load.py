@@ -21,7 +21,13 @@ of the paired differences, and whether the texts are equal.
     python bench/server_load.py overhead --prompts 10 --repeats 3 --max-tokens 64 \\
         --out bench/results/server-overhead-xeon-avx512.json
 
-Both print a summary and write JSON (``--out``) with the machine, argv and every request.
+``attack``: every attack and fault case of the server's tests against one server on the tests'
+tiny model (:mod:`server_attacks`; no engine flags needed): per case the status, an engine
+restart, ``/health`` after, the memory delta and leftover processes or shared-memory segments.
+
+    python bench/server_load.py attack --out bench/results/server-attacks-skylake-2026-11-28.json
+
+Each prints a summary and writes JSON (``--out``) with the machine, argv and every request or case.
 """
 from __future__ import annotations
 
@@ -85,15 +91,17 @@ class Server:
     Args:
         engine_args: the engine's command-line flags (``--target``, ``--mode``, ...).
         timeout_s: how long the start may take (model conversion on a first run included).
+        launcher: the command before the flags (default ``python -m swiftspec serve``).
     Raises:
         RuntimeError: the server exited or did not answer ``/health`` in time (its log attached).
     """
 
-    def __init__(self, engine_args: list[str], timeout_s: float = 900.0, api_key: str | None = None):
+    def __init__(self, engine_args: list[str], timeout_s: float = 900.0, api_key: str | None = None,
+                 launcher: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
-        cmd = [sys.executable, "-m", "swiftspec", "serve", "--port", str(self.port), *engine_args]
+        cmd = [*(launcher or [sys.executable, "-m", "swiftspec", "serve"]), "--port", str(self.port), *engine_args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -413,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="engine flags (as for `swiftspec serve`) go after --")
-    ap.add_argument("what", choices=["soak", "overhead"])
+    ap.add_argument("what", choices=["soak", "overhead", "attack"])
+    ap.add_argument("--cases", help="attack: comma-separated case names (default: all)")
     ap.add_argument("--requests", type=int, default=50, help="soak: requests in all")
     ap.add_argument("--wave", type=int, default=5, help="soak: requests sent at once")
     ap.add_argument("--seed", type=int, default=0)
@@ -425,6 +434,16 @@ def main(argv: list[str] | None = None) -> int:
 
     record = {"machine": machine_info(), "argv": ["bench/server_load.py", *argv,
                                                   *(["--", *engine_args] if engine_args else [])]}
+    if args.what == "attack":
+        import server_attacks
+
+        res = server_attacks.attack(Server, args.cases.split(",") if args.cases else None, engine_args)
+        print(f"{res['passed']}/{res['total']} cases as expected; left after SIGTERM: "
+              f"{len(res['leftover_processes_at_exit'])} processes, {len(res['leftover_shm_at_exit'])} segments")
+        record["attack"] = res
+        if args.out:
+            Path(args.out).write_text(json.dumps(record, indent=1))
+        return 0 if res["passed"] == res["total"] and not res["leftover_processes_at_exit"] else 1
     server = Server(engine_args)
     try:
         if args.what == "soak":

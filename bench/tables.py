@@ -11,8 +11,8 @@ Every record kind the benchmarks write is recognised by its shape:
   run's own JSON was not written;
 * ``bench/accuracy.py --out``: top-1 agreement and mean KL against llama.cpp;
 * ``swiftspec generate --json`` (the README command): one line;
-* ``bench/server_load.py soak|overhead --out``: the soak's counts, memory and restart, or the
-  server's added TTFT and tokens/s ratio against direct engine calls;
+* ``bench/server_load.py soak|overhead|attack --out``: the soak's counts, memory and restart, the
+  server's added TTFT and tokens/s ratio against direct engine calls, or each attack case's outcome;
 * ``bench/shared_core.py --out`` (one run, or several under ``runs``): tokens/s per core layout;
 * ``scripts/gpu_probe.py --out``: each multi-process GPU check's status.
 
@@ -132,6 +132,8 @@ def render(record) -> str:
                 f"{record['ttft_s']:.2f} s, mode {record['mode']} ({m.get('mode_reason', '')}), kernels {m.get('kernels')}")
     if isinstance(record, dict) and ("soak" in record or "overhead" in record):
         return _server(record)
+    if isinstance(record, dict) and "attack" in record:
+        return _attacks(record["attack"])
     if isinstance(record, dict) and "huge_page_bytes_after_load" in record:  # bench/huge_pages.py
         lines = [f"{record['model']} model, {record['threads']} threads, kernel {record['quant_gemm']}, "
                  f"{record['huge_page_bytes_after_load'] / 2**20:.0f} MiB on huge pages after the load", "",
@@ -216,6 +218,24 @@ def _server(record: dict) -> str:
         f"| {len(o['pairs'])} | {o['ttft_direct_s']:.3f} | {o['ttft_http_s']:.3f} | {t['median']:.1f} ({t['p10']:.1f}, "
         f"{t['p90']:.1f}) | {o['tokens_per_s_direct']:.2f} | {o['tokens_per_s_http']:.2f} | {q['median']:.4f} "
         f"({q['p10']:.4f}, {q['p90']:.4f}) | {o['texts_equal']}/{len(o['pairs'])} |"])
+
+
+def _attacks(a: dict) -> str:
+    """bench/server_load.py attack: per case its status (and the one expected), engine restart,
+    ``/health`` after, memory delta and leftovers."""
+    lines = ["| case | what | HTTP status (expected) | engine restarted (expected) | `/health` after | "
+             "RSS delta, MiB | leftover processes / shm segments | as expected | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in a["cases"]:
+        status = "-" if c.get("status") is None else c["status"]
+        expected = "-" if c["expected_status"] is None else c["expected_status"]
+        lines.append(f"| {c['case']} | {c['what']} | {status} ({expected}) | {'yes' if c['restarted'] else 'no'} "
+                     f"({'yes' if c['restart_expected'] else 'no'}) | {c['health_after']['code']} | "
+                     f"{c['rss_delta_mib']:+.1f} | {len(c['leftover_processes'])} / {len(c['leftover_shm'])} | "
+                     f"{'yes' if c['ok'] else '**no**'} | {(c.get('note') or c.get('error') or '').replace('|', '/')} |")
+    return "\n".join(lines + ["", f"{a['passed']}/{a['total']} cases as expected; after SIGTERM "
+                                   f"{len(a['leftover_processes_at_exit'])} processes and "
+                                   f"{len(a['leftover_shm_at_exit'])} shared-memory segments were left."])
 
 
 # the peers' rows in a summary table

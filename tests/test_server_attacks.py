@@ -59,6 +59,8 @@ def unharmed(server):  # noqa: F811 - the imported fixture
     ('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "not valid JSON"),
     (b"\xff\xfe", 400, "not valid JSON"),
     ({"prompt": "x" * (1 << 20)}, 413, "bytes"),
+    ({"messages": USER, "timeout_s": 0}, 400, "timeout_s"),
+    ({"messages": USER, "timeout_s": "1"}, 400, "timeout_s"),
 ])
 def test_bad_request_is_refused_without_harm(unharmed, body, status, match):
     _, _, url = unharmed
@@ -236,3 +238,37 @@ def test_fuzz_never_restarts_the_engine(unharmed):
         statuses.append(r.status_code)
         assert r.status_code in (200, 400, 500), (body, r.text)
     assert 200 in statuses and 400 in statuses
+
+
+def test_request_deadline_returns_the_text_so_far(unharmed):
+    """A tiny ``timeout_s`` with a large ``max_tokens``: 200 with finish reason "timeout" and fewer
+    tokens, the text the greedy decode has so far (streamed: the final chunk says "timeout"); the
+    same workers serve the next request in full (no restart: ``unharmed``)."""
+    host, client, _ = unharmed
+    kw = {"model": MODEL, "prompt": "abc", "temperature": 0, "max_tokens": 3000, "extra_body": {"timeout_s": 0.05}}
+    out = client.completions.create(**kw)
+    n = out.usage.completion_tokens
+    assert out.choices[0].finish_reason == "timeout" and 1 <= n < 3000
+    assert out.choices[0].text == host.engine.generate("abc", SamplingParams(max_tokens=n)).text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    n = chunks[-1].usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == "timeout" and 1 <= n < 3000
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+        host.engine.generate("abc", SamplingParams(max_tokens=n)).text
+    after = client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=12)
+    assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 12
+
+
+def test_request_deadline_default_and_cap():
+    """``Limits.request_timeout_s`` (``--request-timeout``) is the default deadline and the
+    longest a request may ask for; SamplingParams refuses a deadline that is not > 0."""
+    limits = oai.Limits(request_timeout_s=2.0)
+    assert oai.sampling_params({}, None, True, limits)[0].timeout_s == 2.0
+    assert oai.sampling_params({"timeout_s": 60}, None, True, limits)[0].timeout_s == 2.0
+    assert oai.sampling_params({"timeout_s": 0.5}, None, True, limits)[0].timeout_s == 0.5
+    assert oai.sampling_params({}, None, True)[0].timeout_s is None
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            SamplingParams(timeout_s=bad)
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        oai.Limits(request_timeout_s=0)

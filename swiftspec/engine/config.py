@@ -119,6 +119,13 @@ class EngineConfig:
             it). Before the first token the allowance grows by one second per
             :data:`PREFILL_TOKENS_PER_S` prompt tokens, so a long prompt's prefill does not trip it.
             None: no deadline.
+        liveness_interval_s: seconds an idle server's engine may go between liveness pings
+            (:meth:`~swiftspec.engine.llm_engine.Engine.ping`: each group's leader must answer), so
+            a worker that froze or hung between requests is found and the engine restarted before
+            a request waits on it; None: no pings. A ping costs a pipe round trip (well under a
+            millisecond) while the engine is idle.
+        liveness_timeout_s: seconds a leader has to answer a liveness ping (an idle process
+            answers at once; a frozen one never).
     """
 
     mode: str = "auto"
@@ -157,10 +164,15 @@ class EngineConfig:
     draft_sms: int | None = None
     start_timeout_s: float = 600.0
     progress_timeout_s: float | None = 120.0
+    liveness_interval_s: float | None = 5.0
+    liveness_timeout_s: float = 10.0
 
     def __post_init__(self):
-        if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
-            raise ValueError(f"progress_timeout_s must be positive or None, got {self.progress_timeout_s!r}")
+        for name in ("progress_timeout_s", "liveness_interval_s", "liveness_timeout_s"):
+            v = getattr(self, name)
+            if (v is not None or name == "liveness_timeout_s") and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be a positive number of seconds"
+                                 f"{'' if name == 'liveness_timeout_s' else ' or None'}, got {v!r}")
         custom = tuple(m for m in registered() if m not in MODES and m not in ("target", "draft"))
         if self.mode != "auto" and self.mode not in MODES + custom:
             raise ValueError(f"mode must be auto or one of {MODES + custom}, got {self.mode!r}")

@@ -94,6 +94,7 @@ class Engine:
         payback = config.mode == "auto" if config.draft_payback is None else config.draft_payback
         self.config = config = replace(config, mode=mode, draft_payback=payback, **tree)
         self._processes = WorkerProcesses()
+        self._busy = False  # a request's stream is open (its leader takes any message as a cancel)
         if not uses_draft(config.mode):
             self.draft_path = None
         else:
@@ -268,13 +269,15 @@ class Engine:
     def _collect(self, req: Request, t_start: float, nowait: bool = False) -> Iterator[StreamChunk | None]:
         st = _Collected(detok=IncrementalText(self.tokenizer, req.params.stop))
         conns = list(self._processes.leaders.values())
+        self._busy = True
         try:
-            yield from self._receive(req, st, conns, nowait)
+            yield from self._receive(req, st, conns, t_start, nowait)
         finally:
             if st.expect_done and not self._processes.closed:  # the caller stopped reading the stream
-                leaders = self._processes.leaders  # the target group's, else the one group's (kind: the mode)
-                self._processes.cancel(leaders.get(ROLE_TARGET) or leaders[self.config.mode], st.expect_done, conns)
+                self._processes.cancel(self._lead(), st.expect_done, conns)
+            self._busy = False
         stats, runner_stats = st.done[next(k for k in st.done if k != ROLE_DRAFT)]
+        reason = "timeout" if st.timed_out and stats.reason == "cancelled" else stats.reason
         draft = {}
         if ROLE_DRAFT in st.done:
             dstats, druns = st.done[ROLE_DRAFT]
@@ -285,20 +288,30 @@ class Engine:
         if req.trace:
             target["trace"] = stats.trace
         metrics = RequestMetrics.from_events(stats.ran or self.config.mode, len(req.prompt_ids), t_start,
-                                             st.events, stats.accepted, stats.reason, target, draft)
+                                             st.events, stats.accepted, reason, target, draft)
         metrics.mode_reason = self.mode_reason + (f"; this request: {stats.ran_reason}" if stats.ran_reason else "")
         metrics.kernels = self.kernel_dispatch()
         final = self._text(st.tokens, req.params.stop)
         want_lp = req.params.logprobs is not None
-        out = GenerationOutput(final, st.tokens, stats.reason, metrics, st.logprobs if want_lp else None)
+        out = GenerationOutput(final, st.tokens, reason, metrics, st.logprobs if want_lp else None)
         ids, lps = st.unsent(want_lp)
         yield StreamChunk(final[len(st.text):] if final.startswith(st.text) else "", ids, True, out, lps)
 
-    def _receive(self, req: Request, st: "_Collected", conns: list[Connection],
+    def _lead(self) -> Connection:
+        """The pipe to the leader that runs a request's stopping rule: the target group's, else the
+        one group's (its kind is the mode)."""
+        leaders = self._processes.leaders
+        return leaders.get(ROLE_TARGET) or leaders[self.config.mode]
+
+    def _receive(self, req: Request, st: "_Collected", conns: list[Connection], t_start: float,
                  nowait: bool = False) -> Iterator[StreamChunk | None]:
         st.expect_done = set(self._processes.leaders)
         last = time.monotonic()
+        deadline = None if req.params.timeout_s is None else t_start + req.params.timeout_s
         for msg in self._processes.messages(conns, nowait):
+            if deadline is not None and not st.timed_out and time.perf_counter() >= deadline:
+                st.timed_out = True  # the leader stops at its next verification; its tokens so far are kept
+                self._lead().send(("cancel",))
             if msg[0] in ("would_block", "tick"):
                 self._check_progress(time.monotonic() - last, len(req.prompt_ids) if not st.tokens else 0)
             else:
@@ -362,6 +375,23 @@ class Engine:
         if not self.config.kernels:
             return {k: "torch" for k in ops.CPU_FAMILIES}
         return next((w["kernels"] for w in self.workers if w.get("kernels")), None) or ops.cpu_dispatch()
+
+    def ping(self, timeout_s: float | None = None) -> None:
+        """Check that the idle engine's workers live and answer: each group's leader must reply
+        to a liveness ping within ``timeout_s`` seconds (default ``config.liveness_timeout_s``),
+        so a worker that froze (SIGSTOP, a hang) between requests is found before a request waits
+        on it. A running request's workers are watched by ``progress_timeout_s`` instead.
+
+        Raises:
+            EngineError: the engine is closed.
+            RuntimeError: a request is running (its leader would take the ping for a cancel).
+            WorkerError: a worker died or a leader did not answer in time (the engine is closed).
+        """
+        if self._processes.closed:
+            raise EngineError("engine is closed")
+        if self._busy:
+            raise RuntimeError("a request is running; ping the engine between requests")
+        self._processes.ping(self.config.liveness_timeout_s if timeout_s is None else timeout_s)
 
     @property
     def pids(self) -> list[int]:

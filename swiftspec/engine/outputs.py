@@ -35,7 +35,8 @@ class GenerationOutput:
     Attributes:
         text: generated text (special tokens removed, cut before any stop string).
         token_ids: generated token ids (EOS included when it ended the request).
-        finish_reason: "stop" (EOS or stop string) or "length" (max_tokens or context).
+        finish_reason: "stop" (EOS or stop string), "length" (max_tokens or context) or "timeout"
+            (``SamplingParams.timeout_s`` passed).
         metrics: timings, compression ratio and histograms (:class:`RequestMetrics`).
         logprobs: one :class:`~swiftspec.model_executor.sampling.TokenLogprob` per token of ``token_ids`` when
             ``SamplingParams.logprobs`` was set, else None.
@@ -87,6 +88,7 @@ class _Collected:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sent: int = 0  # tokens handed out in chunks so far
     detok: IncrementalText | None = None  # the streamed text, decoded a window at a time (set by stream)
+    timed_out: bool = False  # the request's deadline passed and its leader was told to stop
 
     def unsent(self, with_logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
         """The tokens (and their log-probabilities, if asked for) not yet in a chunk; marks them sent."""

@@ -187,6 +187,35 @@ class WorkerProcesses:
             if time.monotonic() > deadline:
                 self.fail("workers did not acknowledge a cancelled request within 30 s")
 
+    def ping(self, timeout_s: float) -> None:
+        """Send ``("ping",)`` to every idle leader and wait for each one's ``("pong", kind)``.
+
+        Raises:
+            WorkerError: a worker died, or a leader did not answer within ``timeout_s`` seconds
+                (a frozen or hung process); every worker is stopped first.
+        """
+        self.check_alive()
+        pending = dict(self.leaders)
+        for conn in pending.values():
+            try:
+                conn.send(("ping",))
+            except OSError:  # its pipe is gone: the worker is dying
+                self.recv(conn)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(f"{self.procs[self.conns.index(c)].name} (pid {self.procs[self.conns.index(c)].pid})"
+                                  for c in pending.values())
+                self.fail(f"{names} did not answer a liveness ping within {timeout_s:g} s: a frozen or hung worker")
+            wait(list(pending.values()) + [p.sentinel for p in self.procs], timeout=left)
+            for kind, conn in list(pending.items()):
+                while conn.poll():
+                    if self.recv(conn)[0] == "pong":
+                        pending.pop(kind)
+                        break
+            self.check_alive()
+
     # ---- failure handling ---------------------------------------------------------------
     def fail(self, why: str):
         """Stop every worker and raise :class:`WorkerError` with ``why``."""

@@ -264,6 +264,9 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 return
             if msg[0] == "cancel":  # arrived after its request had finished
                 continue
+            if msg[0] == "ping":  # the engine's liveness check between requests
+                engine.send(("pong", spec.kind))
+                continue
             req = msg[1]
             for r in runners.values():
                 r.reset_stats()

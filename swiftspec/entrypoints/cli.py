@@ -57,6 +57,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-payback", action=argparse.BooleanOptionalAction, default=None,
                    help="serial mode: run a request on the target alone where the draft's prefill would not "
                         "pay back within its max tokens (default: on with --mode auto)")
+    p.add_argument("--progress-timeout", type=float, dest="progress_timeout_s", metavar="S",
+                   help="seconds a running request's workers may send nothing before they count as stuck "
+                        "(the engine fails; the server restarts it; default 120)")
+    p.add_argument("--liveness-interval", type=float, dest="liveness_interval_s", metavar="S",
+                   help="serve: seconds between liveness pings of the idle engine's workers (default 5)")
+    p.add_argument("--liveness-timeout", type=float, dest="liveness_timeout_s", metavar="S",
+                   help="seconds a worker has to answer a liveness ping (default 10)")
     p.add_argument("--draft-sms", type=int, metavar="N",
                    help="colocated mode on CUDA: run the draft on N SMs of a CUDA green context, the target on "
                         "the whole GPU (default: no partition)")
@@ -85,7 +92,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
             "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "max_model_len",
             "kernels", "cuda_graphs", "pipeline_stages", "pipeline_order", "remote_stages", "master_addr",
-            "master_port", "draft_payback", "draft_sms"]
+            "master_port", "draft_payback", "draft_sms", "progress_timeout_s", "liveness_interval_s",
+            "liveness_timeout_s"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -156,8 +164,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServerOptions(api_key=args.api_key or os.environ.get("SWIFTSPEC_API_KEY") or None, bind_host=args.host,
                          allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
                          limits=Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
-                                       max_stop_chars=args.max_stop_chars),
-                         write_timeout_s=args.write_timeout, max_connections=args.max_connections,
+                                       max_stop_chars=args.max_stop_chars, request_timeout_s=args.request_timeout),
+                         write_timeout_s=args.write_timeout, header_timeout_s=args.header_timeout,
+                         max_connections=args.max_connections,
                          special_tokens_in_messages=args.special_tokens_in_messages)
     serve(lambda: make_engine(args), name, args.port, args.max_queue, opts)
     return 0
@@ -211,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-stop-chars", type=int, default=512, help="characters per stop string")
     sv.add_argument("--write-timeout", type=float, default=30.0,
                     help="seconds a stream's write may wait for a client that stops reading before it is cut off")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection has to send a whole request head (slow clients are closed)")
+    sv.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                    help="deadline of a request's generation, seconds (a request's 'timeout_s' may ask for less); "
+                         "past it the text so far is returned with finish_reason 'timeout' (default: none)")
     sv.add_argument("--max-connections", type=int, default=64, help="open connections; more get 503")
     sv.add_argument("--special-tokens-in-messages", action="store_true",
                     help="parse special-token text in chat message contents as control tokens (default: as text)")

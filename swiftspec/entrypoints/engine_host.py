@@ -15,7 +15,12 @@ A failure is the request's own unless the engine cannot serve: a bad prompt or p
 (:class:`~swiftspec.engine.outputs.RequestError`), or in the server, a 500; only a dead or
 stuck worker (:class:`~swiftspec.engine.outputs.WorkerError`) gives 503 and restarts the engine
 in the background while holding the slot, so queued requests wait for it (they are not failed)
-and ``/health`` answers 503 ``{"status": "restarting"}`` meanwhile.
+and ``/health`` answers 503 ``{"status": "restarting", "reason": ...}`` meanwhile.
+
+Between requests the host pings the idle engine every ``liveness_interval_s`` of its configuration
+(:meth:`~swiftspec.engine.llm_engine.Engine.ping`, holding the slot for the round trip): a worker
+that froze or hung while idle fails the ping and the engine is restarted the same way, before a
+request waits on it.
 """
 
 import asyncio
@@ -77,6 +82,8 @@ class EngineHost:
         self._restart_pending = False  # set by run() when a worker died; handled when the slot ends
         self._restart_task: asyncio.Task | None = None
         self.restart_error: str | None = None  # why the last restart failed (None: the engine is up)
+        self.failure: str | None = None  # why the engine last failed (what a restart in progress mends)
+        self._liveness_task: asyncio.Task | None = None
 
     @property
     def restarting(self) -> bool:
@@ -116,8 +123,43 @@ class EngineHost:
         finally:
             self._lock.release()
 
+    def start_liveness(self) -> None:
+        """Start pinging the idle engine every ``config.liveness_interval_s`` seconds (none where
+        that is None). Call from the event loop (the application's startup)."""
+        interval = getattr(getattr(self.engine, "config", None), "liveness_interval_s", None)
+        if interval is not None and self._liveness_task is None:
+            self._liveness_task = asyncio.get_running_loop().create_task(self._liveness(interval))
+
+    async def _liveness(self, interval: float) -> None:
+        """Every ``interval`` seconds, when no request holds the slot: ping the engine in the slot;
+        a failed ping restarts the engine (the slot passes to the restart)."""
+        from swiftspec.engine.outputs import EngineError
+
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            if self._lock.locked() or self.restart_error is not None:
+                continue  # a request runs (its progress deadline watches it), or the next one restarts
+            await self._lock.acquire()
+            try:
+                await loop.run_in_executor(None, self.engine.ping)
+            except (EngineError, OSError) as e:  # a frozen, hung or dead worker: the engine is closed
+                self.failure = f"liveness ping failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                print(f"swiftspec serve: {self.failure}; restarting the engine", flush=True)
+                self._restart_task = loop.create_task(self._restart_then_release())
+                continue
+            except BaseException:
+                self._lock.release()
+                raise
+            self._lock.release()
+
     async def aclose(self) -> None:
-        """Stop the engine's workers, after a restart in progress (which would start new ones)."""
+        """Stop the liveness pings and the engine's workers, after a restart in progress (which
+        would start new ones)."""
+        if self._liveness_task is not None:
+            self._liveness_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._liveness_task
         if self._restart_task is not None:
             with contextlib.suppress(Exception):
                 await self._restart_task
@@ -226,7 +268,8 @@ class EngineHost:
             return APIError(500, f"the request failed in the engine ({detail}); the engine serves on")
         if isinstance(error, (EngineError, OSError)):  # WorkerError is an EngineError; OSError: a pipe gone
             self._restart_pending = True
-            cause = "a worker died" if isinstance(error, EngineError) else type(error).__name__
+            cause = "a worker failed" if isinstance(error, EngineError) else type(error).__name__
+            self.failure = f"{cause}: {detail}"
             return APIError(503, f"the engine failed ({cause}: {detail}); it is restarting, retry the request")
         return APIError(500, f"the request failed ({type(error).__name__}: {detail}); the engine serves on")
 

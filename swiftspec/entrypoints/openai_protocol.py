@@ -32,12 +32,23 @@ class Limits:
         max_stop_chars: characters per stop string (each is searched in the text every chunk, and
             the worker decodes a window of one token per UTF-8 byte of the longest one per token).
         max_model_len: the context in tokens; ``max_tokens`` must be below it.
+        request_timeout_s: the deadline of a request that sets none (its ``timeout_s``) and the
+            longest one may set, seconds of engine time (``SamplingParams.timeout_s``); None:
+            no deadline unless the request sets one.
+    Raises:
+        ValueError: a ``request_timeout_s`` that is not a positive number.
     """
 
     max_body_bytes: int = 1 << 20
     max_messages: int = 1024
     max_stop_chars: int = 512
     max_model_len: int = 4096
+    request_timeout_s: float | None = None
+
+    def __post_init__(self):
+        t = self.request_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ValueError(f"request_timeout_s must be a positive number of seconds or None, got {t!r}")
 
 
 class APIError(Exception):
@@ -101,17 +112,29 @@ def _seed(body: dict) -> int | None:
     return seed
 
 
+def _timeout(body: dict, limit: float | None) -> float | None:
+    """The request's deadline in seconds: its ``timeout_s`` (> 0), at most ``limit``; ``limit`` when unset."""
+    t = body.get("timeout_s")
+    if t is None:
+        return limit
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        raise APIError(400, f"'timeout_s' must be a positive number of seconds, got {t!r}", "timeout_s")
+    return t if limit is None else min(t, limit)
+
+
 def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = True,
                     limits: Limits = Limits()) -> tuple[SamplingParams, bool, bool]:
     """``(params, stream, include_usage)`` from a chat (``chat``) or completions request body.
 
     ``max_tokens`` (or ``max_completion_tokens``) is in [1, ``limits.max_model_len`` - 1]; None
     (``default_max_tokens`` None) means up to the context, which the engine clamps to what the
-    prompt leaves. A ``temperature`` below :data:`MIN_TEMPERATURE` decodes greedily.
+    prompt leaves. A ``temperature`` below :data:`MIN_TEMPERATURE` decodes greedily. ``timeout_s``
+    (an extension: seconds of engine time, then finish reason "timeout") is capped by
+    ``limits.request_timeout_s``, which is also its default.
 
     Raises:
         APIError: 400 for ``n`` other than 1, a bad ``logprobs``/``top_logprobs``,
-            ``stop``/``stream_options``/``seed`` or any number out of range."""
+            ``stop``/``stream_options``/``seed``/``timeout_s`` or any number out of range."""
     if _number(body, "n", 1, 1, 1_000_000, integer=True) != 1:
         raise APIError(400, "only n = 1 is supported (one completion per request)", "n")
     logprobs = _logprobs(body, chat)
@@ -129,7 +152,8 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Tru
     temperature = float(_number(body, "temperature", 1.0, 0.0, 2.0))
     params = SamplingParams(temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
                             top_p=float(_number(body, "top_p", 1.0, 1e-9, 1.0)), seed=seed,
-                            max_tokens=max_tokens, stop=stop, logprobs=logprobs)
+                            max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+                            timeout_s=_timeout(body, limits.request_timeout_s))
     return params, stream, bool(opts.get("include_usage"))
 
 
@@ -212,8 +236,9 @@ def extension(out) -> dict:
 
 
 def finish_reason(out) -> str:
-    """The API's ``finish_reason``: "length" (max_tokens or the context reached), else "stop"."""
-    return "length" if out.finish_reason == "length" else "stop"
+    """The API's ``finish_reason``: "length" (max_tokens or the context reached), "timeout" (the
+    request's deadline passed; not in the OpenAI API, whose clients pass it through), else "stop"."""
+    return out.finish_reason if out.finish_reason in ("length", "timeout") else "stop"
 
 
 class TokenText:

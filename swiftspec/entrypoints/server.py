@@ -214,7 +214,7 @@ def _add_routes(app, a: _App) -> None:
     async def health(request: Request):
         a.admit(request, key=False)
         if a.host.restarting:
-            return JSONResponse({"status": "restarting"}, status_code=503)
+            return JSONResponse({"status": "restarting", "reason": a.host.failure}, status_code=503)
         if a.host.restart_error is not None:
             return JSONResponse({"status": "failed", "error": a.host.restart_error}, status_code=503)
         return {"status": "ok"}
@@ -248,6 +248,7 @@ def build_app(host: EngineHost, model_name: str, opts: ServerOptions | None = No
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        host.start_liveness()
         yield
         await host.aclose()  # uvicorn's graceful shutdown (SIGINT/SIGTERM): no worker outlives the server
 

@@ -48,6 +48,10 @@ class SamplingParams:
         logprobs: None (default) returns no log-probabilities; 0 to ``MAX_LOGPROBS`` returns a
             :class:`TokenLogprob` per generated token with that many alternatives (one float32
             log-softmax over the vocabulary per verified token).
+        timeout_s: the request's deadline, seconds from its start in the engine (the prefill
+            included, a server's queue wait not): once it has passed, generation stops at the
+            next verification and the request ends with the tokens so far and finish reason
+            "timeout". None (default): no deadline.
     Raises:
         ValueError: any parameter out of range (checked at construction).
     """
@@ -60,6 +64,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    timeout_s: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
@@ -75,6 +80,9 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                                           or not 0 < self.timeout_s < float("inf")):
+            raise ValueError(f"timeout_s must be None or a finite number of seconds > 0, got {self.timeout_s!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a list of non-empty strings")

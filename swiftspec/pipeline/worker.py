@@ -111,6 +111,9 @@ def lead(spec, engine: Connection) -> None:
                 return
             if msg[0] == "cancel":
                 continue
+            if msg[0] == "ping":  # the engine's liveness check between requests
+                engine.send(("pong", spec.kind))
+                continue
             req = msg[1]
             for r in runners.values():
                 r.reset_stats()
