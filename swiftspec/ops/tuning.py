@@ -215,35 +215,36 @@ def time_variant(m, variant: str, weights: list[TuneWeight], rows: list[int], gr
     for w in weights:
         parts, types = layout(w, group)
         for n in rows:
-            x = torch.randn(n, w.in_features, generator=gen)
-            m.quant_linear(x, parts, types, "auto")
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                m.quant_linear(x, parts, types, "auto")
-                best = min(best, time.perf_counter() - t0)
-            total += best
+            total += _best_call(m, parts, types, torch.randn(n, w.in_features, generator=gen), reps)
             if total > stop_after:
                 return total
     return total
 
 
-def measure(m, weights: list[TuneWeight], rows: list[int], layout_rows) -> dict[str, float]:
-    """``{variant: seconds}`` for every variant this CPU runs (:func:`time_variant`), each in the
-    layout ``layout_rows()`` gives once it is applied, the fastest kernels first; a variant is cut
-    off at twice the best sum so far (the scalar loop, ~8x slower than AVX2 on the target's
-    weights, would take most of the time), its time then a lower bound. The rule's variant is
-    applied again afterwards."""
-    rule = rule_variant(m)
-    times: dict[str, float] = {}
-    try:
-        for v in variants(m.quant_rule_impls()):  # the rule's order: the scalar loop last
-            apply(m, v)
-            cut = 2 * min(times.values(), default=float("inf"))
-            times[v] = time_variant(m, v, weights, rows, layout_rows(), stop_after=cut)
-    finally:
-        apply(m, rule)
-    return times
+def _best_call(m, parts: list[torch.Tensor], types: list[int], x: torch.Tensor, reps: int) -> float:
+    """The least seconds of ``reps`` quantized-GEMM calls on activations ``x``, after a warm-up call."""
+    m.quant_linear(x, parts, types, "auto")
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        m.quant_linear(x, parts, types, "auto")
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_rows(m, weights: list[TuneWeight], rows: list[int], group: int, reps: int = 3) -> list[dict[int, float]]:
+    """Per weight, ``{rows: seconds}``: one call of it under the variant applied now, in the layout
+    of ``group``-row interleaved blocks (:func:`layout`), at each row count, the best of ``reps``
+    calls after a warm-up; a model's step cost is built from these. Raises ValueError for a row
+    count below 1."""
+    if any(n < 1 for n in rows):
+        raise ValueError(f"row counts must be positive, got {rows}")
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for w in weights:
+        parts, types = layout(w, group)
+        out.append({n: _best_call(m, parts, types, torch.randn(n, w.in_features, generator=gen), reps) for n in rows})
+    return out
 
 
 # the rule's variant is kept unless another is this much faster: on a shared machine two runs of
