@@ -7,7 +7,7 @@ decoder layer 0's qkv / o / gate_up / down and the LM head) at every row count a
 expands (:func:`swiftspec.ops.time_quant_gemm`). A forward's cost is then layer 0's time scaled by
 the bytes of all decoder layers' projections over layer 0's (the layer count where every layer
 has the same block types; a decode step reads its weights once, so bytes set its time) plus the
-LM head's. Attention, norms and the per-step host work are left out: they are small beside the
+LM head's; projections whose blocks have no quantized kernel are left out. Attention, norms and the per-step host work are left out: they are small beside the
 weight reads of a one-to-four-row step on a CPU, and the same in every mode per target step.
 
 The result is stored beside the kernel-tuning profile, as ``<key>.steps.json`` under the same key
@@ -38,7 +38,6 @@ TARGET_ROWS = (1, 2, 3, 4)
 # rows per draft forward: one node expanded per forward in the trees weighed
 DRAFT_ROWS = (1,)
 STEPS_VERSION = 1
-_PROJECTIONS = tuple(p for parts in _LAYER_WEIGHTS.values() for p in parts)
 
 
 @dataclass(frozen=True)
@@ -65,27 +64,28 @@ def measurement_allowed() -> bool:
     return os.environ.get("SWIFTSPEC_KERNEL_TUNING", "1") != "0"
 
 
-def layer_scale(model_dir: str | Path) -> float:
-    """The bytes of every decoder layer's projections over decoder layer 0's, read from the shapes
-    of ``model_dir``'s GGUF blocks (``native/blocks.safetensors``; nothing is loaded).
+def layer_scale(model_dir: str | Path, weights: tuple[str, ...] = tuple(_LAYER_WEIGHTS)) -> float:
+    """The bytes of every decoder layer's projections in ``weights`` (fused names: "qkv", "o",
+    "gate_up", "down") over decoder layer 0's, read from the shapes of ``model_dir``'s GGUF blocks
+    (``native/blocks.safetensors``; nothing is loaded).
 
     Raises:
-        ValueError: no layer-0 projection among the blocks.
+        ValueError: none of them in layer 0 among the blocks.
         OSError / safetensors errors: an unreadable blocks file.
     """
+    projections = {p for w in weights for p in _LAYER_WEIGHTS.get(w, ())}
     total = first = 0
     pattern = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
     with safe_open(str(Path(model_dir) / NATIVE_FILE), framework="pt") as st:
         for name in st.keys():
             hit = pattern.fullmatch(name)
-            if hit is None or hit.group(2) not in _PROJECTIONS:
+            if hit is None or hit.group(2) not in projections:
                 continue
             shape = st.get_slice(name).get_shape()
-            size = shape[0] * shape[1]
-            total += size
-            first += size if hit.group(1) == "0" else 0
+            total += shape[0] * shape[1]
+            first += shape[0] * shape[1] if hit.group(1) == "0" else 0
     if not first:
-        raise ValueError(f"{model_dir}: no decoder-layer-0 projection among its GGUF blocks")
+        raise ValueError(f"{model_dir}: none of the projections {sorted(weights)} in decoder layer 0's GGUF blocks")
     return total / first
 
 
@@ -148,8 +148,8 @@ def measure_step_costs(target_dir: str | Path, draft_dir: str | Path, draft_voca
         variant, times = timed
         if times is None:  # the stored costs are of the variant the workers will run
             return stored
-        t = forward_seconds(target, times[:len(target)], layer_scale(target_dir))
-        d = forward_seconds(draft, times[len(target):], layer_scale(draft_dir))
+        t = forward_seconds(target, times[:len(target)], layer_scale(target_dir, tuple(w.name for w in target)))
+        d = forward_seconds(draft, times[len(target):], layer_scale(draft_dir, tuple(w.name for w in draft)))
         costs = StepCosts({n: t[n] for n in TARGET_ROWS}, {n: d[n] for n in DRAFT_ROWS}, variant, "measured here",
                           str(path))
         atomic_write_text(path, json.dumps({"version": STEPS_VERSION, "variant": variant, "target_s": costs.target_s,

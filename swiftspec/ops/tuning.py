@@ -247,6 +247,24 @@ def time_rows(m, weights: list[TuneWeight], rows: list[int], group: int, reps: i
     return out
 
 
+def measure(m, weights: list[TuneWeight], rows: list[int], layout_rows) -> dict[str, float]:
+    """``{variant: seconds}`` for every variant this CPU runs (:func:`time_variant`), each in the
+    layout ``layout_rows()`` gives once it is applied, the fastest kernels first; a variant is cut
+    off at twice the best sum so far (the scalar loop, ~8x slower than AVX2 on the target's
+    weights, would take most of the time), its time then a lower bound. The rule's variant is
+    applied again afterwards."""
+    rule = rule_variant(m)
+    times: dict[str, float] = {}
+    try:
+        for v in variants(m.quant_rule_impls()):  # the rule's order: the scalar loop last
+            apply(m, v)
+            cut = 2 * min(times.values(), default=float("inf"))
+            times[v] = time_variant(m, v, weights, rows, layout_rows(), stop_after=cut)
+    finally:
+        apply(m, rule)
+    return times
+
+
 # the rule's variant is kept unless another is this much faster: on a shared machine two runs of
 # one variant differ by several percent, and a winner by noise is no gain
 MARGIN = 0.05
