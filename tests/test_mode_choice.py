@@ -162,3 +162,32 @@ def test_engine_auto_reports_the_measured_choice(pair, measuring):
     assert e.mode_reason.startswith("auto, measured here: target 1/2/3/4 rows")
     assert out.metrics.mode_reason.startswith(e.mode_reason) and e.config.mode in ("autoregressive", "ngram", "serial")
     assert list(measuring.glob("*.steps.json"))
+
+
+def test_forward_times_never_fall_with_more_rows():
+    assert step_costs.monotone({1: 5.0, 2: 3.0, 3: 4.0, 4: 6.0}) == {1: 3.0, 2: 3.0, 3: 4.0, 4: 6.0}
+    assert step_costs.monotone({1: 1.0, 4: 2.0}) == {1: 1.0, 4: 2.0}
+
+
+def test_time_rows_cycles_through_the_weights(pair):
+    """Each pass calls every weight once per row count (a weight is called again only after all
+    the others), a warm-up pass first; every time is a positive number of seconds."""
+    m = dispatch.cpu_module()
+    if m is None:
+        pytest.skip("the CPU kernels are unavailable")
+    calls = []
+
+    class Counting:
+        def quant_linear(self, x, parts, types, impl):
+            calls.append((x.shape[0], tuple(p.data_ptr() for p in parts)))
+            return m.quant_linear(x, parts, types, impl)
+
+    ws = model_weights(pair[0])
+    out = tuning.time_rows(Counting(), ws, [1, 3], 0, reps=2)
+    assert len(out) == len(ws) and all(set(t) == {1, 3} and min(t.values()) > 0 for t in out)
+    assert len(calls) == 3 * 2 * len(ws)
+    weights_seen = [c[1] for c in calls]
+    assert weights_seen[:len(ws)] == weights_seen[len(ws):2 * len(ws)] and len(set(weights_seen[:len(ws)])) == len(ws)
+    assert [c[0] for c in calls[:2 * len(ws)]] == [1] * len(ws) + [3] * len(ws)
+    with pytest.raises(ValueError, match="positive"):
+        tuning.time_rows(Counting(), ws, [0], 0)

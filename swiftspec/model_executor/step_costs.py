@@ -89,16 +89,25 @@ def layer_scale(model_dir: str | Path, weights: tuple[str, ...] = tuple(_LAYER_W
     return total / first
 
 
+def monotone(times: dict[int, float]) -> dict[int, float]:
+    """rows -> seconds with each time lowered to the least time at as many rows or more: a call with
+    fewer rows reads the same weights and does less arithmetic, so a larger time at fewer rows is
+    another process taking the core, not the call's cost."""
+    rows = sorted(times)
+    return {n: min(times[m] for m in rows[k:]) for k, n in enumerate(rows)}
+
+
 def forward_seconds(weights: list[TuneWeight], times: list[dict[int, float]], scale: float) -> dict[int, float]:
     """rows -> seconds of one forward's linear layers: the layer weights' times (``times[i]`` for
-    ``weights[i]``, rows -> seconds) summed and multiplied by ``scale`` (:func:`layer_scale`), plus
-    the LM head's. Raises ValueError when the weights lack the LM head or a layer weight."""
+    ``weights[i]``, rows -> seconds, each made :func:`monotone`) summed and multiplied by ``scale``
+    (:func:`layer_scale`), plus the LM head's. Raises ValueError when the weights lack the LM head
+    or a layer weight."""
     names = [w.name for w in weights]
     if "lm_head" not in names or len(names) < 2:
         raise ValueError(f"a forward's cost needs layer weights and the LM head, got {names}")
-    rows = sorted(times[0])
+    times = [monotone(t) for t in times]
     return {n: scale * sum(t[n] for w, t in zip(weights, times) if w.name != "lm_head")
-            + sum(t[n] for w, t in zip(weights, times) if w.name == "lm_head") for n in rows}
+            + sum(t[n] for w, t in zip(weights, times) if w.name == "lm_head") for n in sorted(times[0])}
 
 
 def _read(path: Path, fields: dict) -> StepCosts | None:
