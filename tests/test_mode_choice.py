@@ -191,3 +191,20 @@ def test_time_rows_cycles_through_the_weights(pair):
     assert [c[0] for c in calls[:2 * len(ws)]] == [1] * len(ws) + [3] * len(ws)
     with pytest.raises(ValueError, match="positive"):
         tuning.time_rows(Counting(), ws, [0], 0)
+
+
+def test_time_rows_keeps_the_least_pass_after_the_warm_up(pair, monkeypatch):
+    """A scripted clock (nothing timed): the warm-up pass's calls are the quickest and ignored,
+    each weight's time is its quickest later pass."""
+    ws = model_weights(pair[0])
+    clock, calls = [0.0], []
+    per_pass = (1e-4, 2e-3, 3e-3)  # warm-up, pass 1, pass 2: seconds each call takes
+
+    class Scripted:
+        def quant_linear(self, x, parts, types, impl):
+            clock[0] += per_pass[len(calls) // (2 * len(ws))]
+            calls.append(x.shape[0])
+
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    out = tuning.time_rows(Scripted(), ws, [1, 2], 0, reps=2)
+    assert out == [{1: pytest.approx(2e-3), 2: pytest.approx(2e-3)}] * len(ws)
