@@ -208,3 +208,20 @@ def test_time_rows_keeps_the_least_pass_after_the_warm_up(pair, monkeypatch):
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
     out = tuning.time_rows(Scripted(), ws, [1, 2], 0, reps=2)
     assert out == [{1: pytest.approx(2e-3), 2: pytest.approx(2e-3)}] * len(ws)
+
+
+def test_the_new_tree_shapes_run_and_keep_the_targets_tokens(pair):
+    """The serial trees only the cost model picks (a one-leaf chain, the root's two-child fan) run
+    on the engine and give the target's own greedy tokens (the others: tests/test_engine.py, test_ngram.py)."""
+    from swiftspec import Engine, SamplingParams
+
+    target, draft = pair
+    prompt, params = [5, 9, 77, 3, 5, 9, 77], SamplingParams(max_tokens=12, ignore_eos=True)
+    with Engine(str(target), mode="autoregressive", dtype="float32", target_cores=[0]) as e:
+        want = e.generate(prompt, params).token_ids
+    for c in mc.priors():
+        if c.label not in ("serial bs 4 d 3 chain", "serial bs 3 d 1 w 2"):
+            continue
+        with Engine(str(target), str(draft), mode=c.mode, dtype="float32", target_cores=[0], draft_cores=[0],
+                    draft_payback=False, **c.fields) as e:
+            assert e.generate(prompt, params).token_ids == want, c.label
