@@ -1,14 +1,17 @@
 """A decode step's cost on this machine, from the kernel self-tuning's timings of the models' own
 weights: what ``mode="auto"`` weighs the decode modes by (:mod:`swiftspec.spec_decode.mode_choice`).
 
-For each model, the quantized GEMM variant the workers will run (:func:`swiftspec.ops.tune_quant_gemm`'s
-choice) is timed on the weights the self-tuning uses (:func:`~swiftspec.model_executor.kernel_tuning.model_weights`:
-decoder layer 0's qkv / o / gate_up / down and the LM head) at every row count a mode verifies or
-expands (:func:`swiftspec.ops.time_quant_gemm`). A forward's cost is then layer 0's time scaled by
-the bytes of all decoder layers' projections over layer 0's (the layer count where every layer
-has the same block types; a decode step reads its weights once, so bytes set its time) plus the
-LM head's; projections whose blocks have no quantized kernel are left out. Attention, norms and the per-step host work are left out: they are small beside the
-weight reads of a one-to-four-row step on a CPU, and the same in every mode per target step.
+For each model, the quantized GEMM variant the workers will run (the self-tuning's choice,
+:func:`swiftspec.ops.tune_quant_gemm`) is timed on the weights the self-tuning uses (decoder
+layer 0's qkv / o / gate_up / down and the LM head,
+:func:`~swiftspec.model_executor.kernel_tuning.model_weights`) at every row count a mode verifies
+or expands, each weight cold as in a decode step (:func:`swiftspec.ops.time_quant_gemm`). A
+forward's cost is then layer 0's time scaled by the bytes of all decoder layers' projections over
+layer 0's (the layer count where every layer has the same block types; a decode step reads its
+weights once, so bytes set its time) plus the LM head's. Left out: projections whose blocks have
+no quantized kernel, attention, norms and the per-forward host work, small beside the weight
+reads of a one-to-four-row forward on a CPU; since every forward lacks them, the estimate
+slightly favours the modes with more forwards per token (serial's draft forwards).
 
 The result is stored beside the kernel-tuning profile, as ``<key>.steps.json`` under the same key
 (:func:`swiftspec.ops.tuning.profile_key` of the target's then the draft's weights: the CPU, the
