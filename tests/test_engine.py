@@ -224,7 +224,7 @@ def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, mon
     assert config.choose_mode(config.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
         "serial", "as configured", {})
     mode, why, tree = config.choose_mode(auto, True, None)  # no profile: the built-in rule says why
-    assert mode in config.MODES and why.startswith("auto: ")
+    assert mode in config.MODES and why.startswith("auto, rule: ")
     assert tree in ({}, config.SHALLOW_TREE) and (tree == config.SHALLOW_TREE) == ("bs 2, d 1" in why)
     # the rule's shallow tree where a SIMD kernel reads the blocks; a shape the user sets wins
     monkeypatch.setattr(config, "_available_cores", lambda: [0, 1])

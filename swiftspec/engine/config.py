@@ -266,15 +266,21 @@ class EngineConfig:
         return cls(**data)
 
 
-def choose_mode(config: EngineConfig, target_native: bool = False,
-                profiled: dict | None = None, gpus: int = 0) -> tuple[str, str, dict]:
+def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dict | None = None, gpus: int = 0,
+                step_costs=None) -> tuple[str, str, dict]:
     """The mode to run and why: ``config.mode`` unless it is "auto".
 
     "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
     pair when one is stored (``profiled``, :func:`swiftspec.engine.machine_profile.cached_profile`).
-    Before a profile exists it applies these rules, each the mode measured fastest on that kind of
-    machine (the current tables and their commands in bench/RESULTS.md, the measurements behind
-    each rule in bench/LOG.md):
+    Before a profile exists, with the target on its GGUF blocks and every core on one bus, it
+    weighs the modes by ``step_costs`` where given (:class:`swiftspec.model_executor.step_costs.StepCosts`:
+    this machine's target and draft forwards, timed by the kernel self-tuning): the most expected
+    tokens/s among ``autoregressive``, ``ngram`` and shallow ``serial`` trees with the packaged
+    acceptance trace's priors (:mod:`swiftspec.spec_decode.mode_choice`; the reason starts
+    "auto, measured here" and names the costs). Otherwise (``SWIFTSPEC_KERNEL_TUNING=0``, float
+    weights, kernels off) it applies these rules, each the mode measured fastest on that kind of
+    machine (the reason starts "auto, rule"; the current tables and their commands in
+    bench/RESULTS.md, the measurements behind each rule in bench/LOG.md):
 
     * Several NUMA nodes: ``async``, each group with a memory bus of its own.
     * Every core on one bus, the target on its GGUF blocks (``target_native``) with the AVX2
@@ -305,7 +311,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
 
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
-    ``{}`` when the mode was configured or the configuration sets its own shape.
+    ``{}`` when the mode was configured or the configuration sets its own shape; a measured
+    ``ngram`` choice sets ``ngram_tokens`` unless the configuration sets it.
     """
     if config.mode != "auto":
         return config.mode, "as configured", {}
@@ -326,22 +333,36 @@ def choose_mode(config: EngineConfig, target_native: bool = False,
                                   "`colocated` (docs/gpu.md): `swiftspec profile` measures it here"), {}
     nodes, cores = _numa_nodes(), len(_available_cores())
     if nodes >= 2 and cores >= 2:
-        return "async", f"auto: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}
+        return "async", f"auto, rule: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}
+    if target_native and config.weights == "native" and step_costs is not None:
+        return _measured_mode(config, step_costs, own)
     if target_native and config.weights == "native":
         from swiftspec import ops
 
         isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
         if isa in NGRAM_QUANT_KERNELS:
-            return "ngram", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
+            return "ngram", (f"auto, rule: {cores} cores share one memory bus and the target reads its quantized blocks "
                              f"({isa}), where a draft forward costs a third of a target step: the target alone "
                              f"verifying prompt-lookup proposals measured fastest"), {}
         if isa in SIMD_QUANT_KERNELS:
-            return "serial", (f"auto: {cores} cores share one memory bus and the target reads its quantized blocks "
+            return "serial", (f"auto, rule: {cores} cores share one memory bus and the target reads its quantized blocks "
                               f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
                 {} if own else dict(SHALLOW_TREE)
-        return "autoregressive", (f"auto: {cores} cores share one memory bus and the target reads its quantized "
+        return "autoregressive", (f"auto, rule: {cores} cores share one memory bus and the target reads its quantized "
                                   f"blocks ({isa}), where the draft's expansions cost more than the tokens they save"), {}
-    return "serial", f"auto: {cores} cores share one memory bus, where serial measured faster than async", {}
+    return "serial", f"auto, rule: {cores} cores share one memory bus, where serial measured faster than async", {}
+
+
+def _measured_mode(config: EngineConfig, costs, own_tree: bool) -> tuple[str, str, dict]:
+    """choose_mode's pick from this machine's step costs (:mod:`swiftspec.spec_decode.mode_choice`);
+    a shape the configuration sets wins over the candidate's."""
+    from swiftspec.spec_decode import mode_choice
+
+    cands = mode_choice.priors(ngram=NgramParams(config.ngram_min, config.ngram_max, 1))
+    top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s[1])
+    why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s[1], costs.variant)
+    own = own_tree if top.mode == "serial" else config.ngram_tokens != EngineConfig().ngram_tokens
+    return top.mode, why, {} if own else dict(top.fields)
 
 
 # Prompt tokens per second of prefill the progress deadline allows for before the first token

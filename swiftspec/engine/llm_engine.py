@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from swiftspec.engine.config import PREFILL_TOKENS_PER_S, EngineConfig, _available_cores, choose_mode, cpu_has_bf16
+from swiftspec.engine.config import (PREFILL_TOKENS_PER_S, EngineConfig, _available_cores, _numa_nodes, choose_mode,
+                                     cpu_has_bf16)
 from swiftspec.engine.detokenize import IncrementalText
 from swiftspec.engine.metrics import RequestMetrics
 from swiftspec.engine.outputs import (EngineError, GenerationOutput, RequestError, StreamChunk, TokenizerMismatchError,
@@ -79,15 +80,21 @@ class Engine:
             ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
             gpus = len(set(ids))
         self.target_path = resolve_model(target, "target", cache_dir)
-        profiled = draft_path = None
+        profiled = draft_path = step_costs = None
         if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
             from swiftspec.engine.machine_profile import cached_profile
             from swiftspec.weights.default_pair import default_model_dir
 
             draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
-            profiled = cached_profile(self.target_path, draft_path or default_model_dir("draft", cache_dir), cache_dir)
+            draft_dir = draft_path or default_model_dir("draft", cache_dir)
+            profiled = cached_profile(self.target_path, draft_dir, cache_dir)
+            if (profiled is None and not gpus and config.pipeline_stages == 1 and config.weights == "native"
+                    and config.kernels and _numa_nodes() < 2):  # where measured step costs decide (choose_mode)
+                from swiftspec.model_executor.step_costs import measure_step_costs  # None: SWIFTSPEC_KERNEL_TUNING=0
+
+                step_costs = measure_step_costs(self.target_path, draft_dir, config.draft_vocab)
         mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
-                                                   profiled, gpus)
+                                                   profiled, gpus, step_costs)
         if config.draft_sms is not None and mode != "colocated":
             raise ValueError(f"draft_sms={config.draft_sms} splits one GPU between the colocated mode's two models, "
                              f"but mode={config.mode!r} runs {mode!r} here ({self.mode_reason}): set mode='colocated'")
@@ -413,3 +420,4 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+

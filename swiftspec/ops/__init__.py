@@ -30,6 +30,7 @@ from swiftspec.ops.dispatch import (
     set_quant_gemm,
     set_quant_variant,
     set_quant_x8,
+    time_quant_gemm,
     tune_quant_gemm,
 )
 from swiftspec.ops.gemm import dequantize, int8_linear, linear, quant_linear, swiglu
@@ -44,5 +45,5 @@ __all__ = [
     "CPU_FAMILIES", "backend", "cpu_dispatch", "dequantize", "int8_linear", "kernels_enabled", "linear",
     "native_decoder_layer", "native_layer_twin", "native_layers_forward", "quant_interleave_rows",
     "quant_linear", "quant_x8_enabled", "rms_norm", "set_kernels", "set_quant_gemm", "set_quant_variant",
-    "set_quant_x8", "silu_and_mul", "swiglu", "tree_attention", "tune_quant_gemm",
+    "set_quant_x8", "silu_and_mul", "swiglu", "time_quant_gemm", "tree_attention", "tune_quant_gemm",
 ]

@@ -136,6 +136,32 @@ def tune_quant_gemm(weights: list, rows: list[int], retune: bool = False):
     return choice
 
 
+def time_quant_gemm(weights: list, rows: list[int], variant: str | None = None
+                    ) -> tuple[str, list[dict[int, float]] | None] | None:
+    """Time GGUF weights ``weights`` (:class:`swiftspec.ops.tuning.TuneWeight`) at each of ``rows``
+    rows per call under the variant this process's workers will run (:func:`tune_quant_gemm`'s
+    choice for them: the stored kernel-tuning profile of this machine, else measured now and
+    stored), in that variant's layout. Returns ``(variant, [{rows: seconds} per weight])``
+    (:func:`swiftspec.ops.tuning.time_rows`); ``(variant, None)`` without timing where the choice
+    is ``variant`` (a caller holding timings of it); None with the kernels off or the extension
+    unavailable. This process's own variant and its source are restored afterwards."""
+    from swiftspec.ops import cpu, tuning
+
+    m = cpu_module() if _state["enabled"] else None
+    if m is None:
+        return None
+    before = tuning.current_variant(m), _state["quant_source"]
+    try:
+        chosen = tuning.choose(m, weights, rows, cpu.build_hash(), _interleave_rows_now).variant
+        if chosen == variant:
+            return chosen, None
+        return chosen, tuning.time_rows(m, weights, rows, _interleave_rows_now())
+    finally:
+        tuning.apply(m, before[0])
+        _state["quant_source"] = before[1]
+        cpu_dispatch.cache_clear()
+
+
 def _interleave_rows_now() -> int:
     """:func:`quant_interleave_rows` under the variant just applied (dispatch asked afresh)."""
     cpu_dispatch.cache_clear()

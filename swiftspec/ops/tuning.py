@@ -215,17 +215,45 @@ def time_variant(m, variant: str, weights: list[TuneWeight], rows: list[int], gr
     for w in weights:
         parts, types = layout(w, group)
         for n in rows:
-            x = torch.randn(n, w.in_features, generator=gen)
-            m.quant_linear(x, parts, types, "auto")
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                m.quant_linear(x, parts, types, "auto")
-                best = min(best, time.perf_counter() - t0)
-            total += best
+            total += _best_call(m, parts, types, torch.randn(n, w.in_features, generator=gen), reps)
             if total > stop_after:
                 return total
     return total
+
+
+def _best_call(m, parts: list[torch.Tensor], types: list[int], x: torch.Tensor, reps: int) -> float:
+    """The least seconds of ``reps`` quantized-GEMM calls on activations ``x``, after a warm-up call."""
+    m.quant_linear(x, parts, types, "auto")
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        m.quant_linear(x, parts, types, "auto")
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_rows(m, weights: list[TuneWeight], rows: list[int], group: int, reps: int = 5) -> list[dict[int, float]]:
+    """Per weight, ``{rows: seconds}``: one call of it under the variant applied now, in the layout
+    of ``group``-row interleaved blocks (:func:`layout`), at each row count; a model's step cost is
+    built from these. The calls cycle through all the weights, one pass per row count and
+    repetition, so each weight is called after the others (an LM head: hundreds of MB) have
+    evicted it from the caches, as in a decode step, which reads every weight once; each time is
+    the least of ``reps`` passes after a warm-up pass (a pass another process preempts only
+    raises its own). Raises ValueError for a row count below 1."""
+    if any(n < 1 for n in rows):
+        raise ValueError(f"row counts must be positive, got {rows}")
+    gen = torch.Generator().manual_seed(0)
+    laid = [layout(w, group) for w in weights]
+    xs = [{n: torch.randn(n, w.in_features, generator=gen) for n in rows} for w in weights]
+    best = [{n: float("inf") for n in rows} for _ in weights]
+    for rep in range(reps + 1):  # pass 0 warms up
+        for n in rows:
+            for i, (parts, types) in enumerate(laid):
+                t0 = time.perf_counter()
+                m.quant_linear(xs[i][n], parts, types, "auto")
+                if rep:
+                    best[i][n] = min(best[i][n], time.perf_counter() - t0)
+    return best
 
 
 def measure(m, weights: list[TuneWeight], rows: list[int], layout_rows) -> dict[str, float]:

@@ -1,0 +1,176 @@
+"""Which decode mode is fastest on this machine, from measured step costs and acceptance priors.
+
+The expected decode speed of a mode is its expected tokens per target verification over the
+expected seconds of one iteration (the speculative-decoding speed-up model of Leviathan et al.
+and of the SwiftSpec paper's serial baseline): an iteration is the draft's forwards (none for
+the target-alone modes) plus one target verification of the proposed rows, and yields the
+accepted proposals plus the target's own next token. Step costs are measured on the user's
+machine (:class:`swiftspec.model_executor.step_costs.StepCosts`: seconds of a target forward at
+1-4 rows, of a draft forward of 1 row); the tokens per verification are the priors of
+:func:`priors`, replayed from the acceptance trace the package ships (the default pair's greedy
+tokens on the evaluation prompts and the draft's rank of each, :mod:`swiftspec.spec_decode.acceptance`).
+
+Candidates: ``autoregressive``, ``ngram`` proposing 1-3 tokens, and ``serial`` with the draft trees
+of :data:`SERIAL_TREES`: shapes whose subgraph is fixed (a chain of the draft's first choices, or
+the root's two best children), so the trace's ranks give their acceptance exactly. Left out: the
+draft's prefill per request (the payback gate of :mod:`swiftspec.spec_decode.payback` decides it
+per request) and ``async`` (a layout question: one memory bus per group).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
+
+# the acceptance trace the package ships (swiftspec bench --record-trace on the default pair)
+PACKAGED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "default-pair.json"
+# serial trees weighed: (label, EngineConfig tree fields, children kept per depth along the
+# target's path: a node of draft rank r at depth j is verified iff r < widths[j])
+SERIAL_TREES = (
+    ("bs 2 d 1", {"bs": 2, "d": 1}, (1,)),
+    ("bs 3 d 1 w 2", {"bs": 3, "d": 1, "w": 2, "topk": 2}, (2,)),
+    ("bs 3 d 2 chain", {"bs": 3, "d": 2, "w": 1, "topk": 1}, (1, 1)),
+    ("bs 4 d 3 chain", {"bs": 4, "d": 3, "w": 1, "topk": 1}, (1, 1, 1)),
+)
+NGRAM_TOKENS = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mode and shape with its acceptance prior.
+
+    Attributes:
+        mode: "autoregressive", "ngram" or "serial".
+        label: how reasons name it ("serial bs 2 d 1").
+        fields: the EngineConfig fields it sets (tree shape, ``ngram_tokens``).
+        tokens_per_step: expected tokens per target verification (>= 1).
+        rows_mix: target rows per verification -> fraction of verifications with that many
+            (ngram verifies the root alone where the text offers no proposal).
+        draft_forwards: draft forwards of one row per verification.
+    """
+
+    mode: str
+    label: str
+    fields: dict
+    tokens_per_step: float
+    rows_mix: dict[int, float]
+    draft_forwards: int = 0
+
+
+def tree_tokens_per_step(ranks: list[list[int | None]], widths: tuple[int, ...]) -> float:
+    """Expected tokens per verification of a draft tree keeping ``widths[j]`` children per node at
+    depth ``j + 1`` (a chain: all 1), replayed greedily over recorded rank sequences (``ranks[p][i]``:
+    the draft's rank of the target's token ``i`` of prompt ``p``, None past the ranks kept; index 0
+    is the prefill's token, the first root). Each verification accepts the longest run of tokens
+    whose ranks fit the widths, then the target's own token; the next root is that token.
+    Raises ValueError without positions to decode or with an empty ``widths``."""
+    if not widths:
+        raise ValueError("a tree needs at least one depth")
+    steps = tokens = 0
+    for seq in ranks:
+        i = 0
+        while i + 1 < len(seq):
+            j = 0
+            while j < len(widths) and i + 1 + j < len(seq) and seq[i + 1 + j] is not None and seq[i + 1 + j] < widths[j]:
+                j += 1
+            step = min(j + 1, len(seq) - 1 - i)
+            steps, tokens, i = steps + 1, tokens + step, i + step
+    if not steps:
+        raise ValueError("no positions to decode in the recorded ranks")
+    return tokens / steps
+
+
+def ngram_tokens_per_step(texts: list[tuple[list[int], list[int]]], params: NgramParams) -> tuple[float, dict[int, float]]:
+    """Expected tokens per verification of prompt-lookup proposals (:class:`NgramProposer`) and the
+    fraction of verifications per target rows (1 + tokens proposed), replayed greedily over
+    ``(prompt_ids, tokens)`` pairs (``tokens[0]``: the prefill's). Raises ValueError without
+    positions to decode."""
+    steps = tokens = 0
+    rows: dict[int, int] = {}
+    for prompt, out in texts:
+        proposer, i = NgramProposer(params, list(prompt) + out[:1]), 0
+        while i + 1 < len(out):
+            prop = proposer.propose()
+            j = 0
+            while j < len(prop) and i + 1 + j < len(out) and prop[j] == out[i + 1 + j]:
+                j += 1
+            step = min(j + 1, len(out) - 1 - i)
+            proposer.extend(out[i + 1:i + 1 + step])
+            rows[1 + len(prop)] = rows.get(1 + len(prop), 0) + 1
+            steps, tokens, i = steps + 1, tokens + step, i + step
+    if not steps:
+        raise ValueError("no positions to decode in the recorded tokens")
+    return tokens / steps, {r: n / steps for r, n in sorted(rows.items())}
+
+
+def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
+    """The candidates with their priors from an acceptance trace ``doc``
+    (:func:`swiftspec.spec_decode.acceptance.load`): autoregressive (1 token a 1-row step), ngram
+    with ``ngram``'s lookup lengths proposing each of :data:`NGRAM_TOKENS` tokens, and serial with
+    each tree of :data:`SERIAL_TREES` (``d`` one-row draft forwards a verification)."""
+    ranks = [p["ranks"] for p in doc["prompts"]]
+    texts = [(p["prompt_ids"], p["tokens"]) for p in doc["prompts"]]
+    out = [Candidate("autoregressive", "autoregressive", {}, 1.0, {1: 1.0})]
+    for k in NGRAM_TOKENS:
+        tps, mix = ngram_tokens_per_step(texts, NgramParams(ngram.min_n, ngram.max_n, k))
+        out.append(Candidate("ngram", f"ngram {k}", {"ngram_tokens": k}, tps, mix))
+    for label, fields, widths in SERIAL_TREES:
+        out.append(Candidate("serial", f"serial {label}", dict(fields), tree_tokens_per_step(ranks, widths),
+                             {fields["bs"]: 1.0}, fields["d"]))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def priors(path: str = str(PACKAGED_TRACE), ngram: NgramParams = NgramParams()) -> tuple[Candidate, ...]:
+    """:func:`priors_of` the trace at ``path`` (default: the packaged one), read once per process.
+    Raises :class:`swiftspec.spec_decode.acceptance.TraceError` for a missing or malformed trace."""
+    from swiftspec.spec_decode.acceptance import load
+
+    return tuple(priors_of(load(path), ngram))
+
+
+def iteration_seconds(c: Candidate, target_s: dict[int, float], draft_s: float) -> float:
+    """Expected seconds of one iteration of ``c``: its target verification (``target_s``: rows ->
+    seconds of a target forward, weighted by ``c.rows_mix``) plus its draft forwards (``draft_s``
+    seconds each). Raises ValueError where ``target_s`` lacks a row count ``c`` verifies."""
+    missing = sorted(set(c.rows_mix) - set(target_s))
+    if missing:
+        raise ValueError(f"{c.label} verifies {missing} rows, but only {sorted(target_s)} were measured")
+    return sum(f * target_s[r] for r, f in c.rows_mix.items()) + c.draft_forwards * draft_s
+
+
+def tokens_per_s(c: Candidate, target_s: dict[int, float], draft_s: float) -> float:
+    """Expected decode tokens/s of ``c``: tokens per verification over :func:`iteration_seconds`."""
+    return c.tokens_per_step / iteration_seconds(c, target_s, draft_s)
+
+
+def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int, float],
+         draft_s: float) -> tuple[Candidate, dict[str, float]]:
+    """The candidate of most expected tokens/s (the earliest of equals: the simpler mode) and every
+    candidate's label -> tokens/s. Raises ValueError for no candidates, or a step cost that is not
+    a positive number of seconds."""
+    if not candidates:
+        raise ValueError("no candidate modes")
+    if not all(v > 0 for v in list(target_s.values()) + [draft_s]):
+        raise ValueError(f"step costs must be positive seconds, got target {target_s}, draft {draft_s}")
+    rates = {c.label: tokens_per_s(c, target_s, draft_s) for c in candidates}
+    top = candidates[0]
+    for c in candidates[1:]:
+        if rates[c.label] > rates[top.label]:
+            top = c
+    return top, rates
+
+
+def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float], draft_s: float,
+                    variant: str) -> str:
+    """The reason ``mode="auto"`` reports for a measured choice: the step costs (ms), each
+    candidate's expected tokens/s and the winner."""
+    rows = sorted(target_s)
+    ms = "/".join(f"{target_s[r] * 1e3:.1f}" for r in rows)
+    rated = ", ".join(f"{label} {v:.1f}" for label, v in rates.items())
+    return (f"auto, measured here: target {'/'.join(map(str, rows))} rows {ms} ms, draft 1 row "
+            f"{draft_s * 1e3:.1f} ms (linear layers, {variant}); expected tokens/s with the packaged acceptance "
+            f"trace's priors: {rated}: {top.label} fastest ({top.tokens_per_step:.2f} tokens a verification)")

@@ -1,0 +1,227 @@
+"""``mode="auto"`` weighs the decode modes by step costs measured here: the cost model's priors
+(swiftspec/spec_decode/mode_choice.py), the choice under injected costs (nothing timed), the rule
+where measuring is off, and the measurement end to end on tiny GGUF models (timed, but no
+assertion on a time) with its stored result."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from swiftspec.engine import config
+from swiftspec.model_executor import step_costs
+from swiftspec.model_executor.kernel_tuning import model_weights
+from swiftspec.model_executor.step_costs import StepCosts, layer_scale, measure_step_costs
+from swiftspec.ops import dispatch, tuning
+from swiftspec.spec_decode import mode_choice as mc
+from swiftspec.spec_decode.ngram import NgramParams
+from swiftspec.weights.loader import convert_gguf
+from tests.test_loader import make_gguf
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two tiny GGUF models (target, draft) whose layer-0 projections and LM head have kernels."""
+    root = tmp_path_factory.mktemp("mode-choice")
+    dirs = []
+    for name, seed in (("target", 0), ("draft", 1)):
+        make_gguf(root / f"{name}.gguf", quant=Q.Q8_0, seed=seed, tied=False, ffn_up=Q.Q8_0)
+        dirs.append(convert_gguf(root / f"{name}.gguf", root / name, progress=False))
+    return dirs
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Measurement on (only for this test), its files in a fresh directory."""
+    if dispatch.cpu_module() is None:
+        pytest.skip("the CPU kernels are unavailable")
+    monkeypatch.setenv("SWIFTSPEC_KERNEL_TUNING", "1")
+    monkeypatch.setenv("SWIFTSPEC_KERNEL_PROFILES", str(tmp_path / "profiles"))
+    monkeypatch.delenv("SWIFTSPEC_QUANT_GEMM", raising=False)
+    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
+    return tmp_path / "profiles"
+
+
+def test_tree_priors_replay_the_recorded_ranks():
+    ranks = [[None, 0, 0, 1, None, 0, 0]]  # 6 positions after the prefill's token
+    # one-node chain: [rank 0 + bonus], [rank 1: bonus], [None: bonus], [rank 0 + bonus] -> 6 tokens in 4
+    assert mc.tree_tokens_per_step(ranks, (1,)) == 6 / 4
+    # two-node chain: [0, 0 + bonus], [None: bonus], [0, 0 (the end)] -> 6 tokens in 3
+    assert mc.tree_tokens_per_step(ranks, (1, 1)) == 6 / 3
+    # the root's two best children: rank 1 is verified too
+    assert mc.tree_tokens_per_step([[None, 1, 1, 1, 1]], (2,)) == 2.0
+    assert mc.tree_tokens_per_step([[None, 1, 1, 1, 1]], (1,)) == 1.0
+    with pytest.raises(ValueError):
+        mc.tree_tokens_per_step([[3]], (1,))
+
+
+def test_ngram_priors_replay_the_proposer():
+    prompt, out = [1, 2, 3, 4, 1, 2], [3, 4, 1, 2, 9]
+    # text ...1 2 | 3: "2 3" seen -> propose 4 (right), bonus 1; "4 1" seen -> 2 (right), bonus 9
+    tps, mix = mc.ngram_tokens_per_step([(prompt, out)], NgramParams(2, 2, 1))
+    assert tps == 2.0 and mix == {2: 1.0}
+    tps, mix = mc.ngram_tokens_per_step([([5, 6], [7, 8, 9])], NgramParams(2, 2, 1))
+    assert tps == 1.0 and mix == {1: 1.0}  # nothing repeats: plain one-row steps
+
+
+def test_packaged_priors():
+    by = {c.label: c for c in mc.priors()}
+    assert by["autoregressive"].tokens_per_step == 1.0
+    chains = [by[f"serial bs {n + 1} d {n}{' chain' if n > 1 else ''}"].tokens_per_step for n in (1, 2, 3)]
+    assert 1.0 < chains[0] < chains[1] < chains[2] < 4.0
+    assert by["serial bs 3 d 1 w 2"].tokens_per_step > chains[0]
+    for k in mc.NGRAM_TOKENS:
+        c = by[f"ngram {k}"]
+        assert 1.0 < c.tokens_per_step < 1 + k and abs(sum(c.rows_mix.values()) - 1) < 1e-9
+        assert max(c.rows_mix) == k + 1 and c.draft_forwards == 0
+
+
+def _costs(target_ms, draft_ms):
+    return StepCosts({r: t / 1e3 for r, t in zip((1, 2, 3, 4), target_ms)}, {1: draft_ms / 1e3}, "avx2", "stored")
+
+
+@pytest.mark.parametrize("target_ms, draft_ms, want", [
+    ((10, 20, 30, 40), 5, "autoregressive"),  # a row costs as much as a step: nothing pays
+    ((10, 10.5, 11, 11.5), 20, "ngram"),  # rows nearly free, the draft dear: proposals without it
+    ((10, 10.5, 11, 11.5), 1, "serial"),  # rows nearly free, the draft cheap: the deepest chain
+])
+def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
+    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
+    mode, why, fields = config.choose_mode(config.EngineConfig(), True, None, 0, _costs(target_ms, draft_ms))
+    assert mode == want and why.startswith("auto, measured here")
+    assert f"target 1/2/3/4 rows {'/'.join(f'{t:.1f}' for t in target_ms)} ms" in why
+    assert f"draft 1 row {draft_ms:.1f} ms" in why and "avx2" in why
+    top, rates = mc.best(mc.priors(), _costs(target_ms, draft_ms).target_s, draft_ms / 1e3)
+    assert top.mode == want and fields == top.fields and f"{top.label} fastest" in why
+    assert rates[top.label] == max(rates.values()) and f"{top.label} {rates[top.label]:.1f}" in why
+    if want == "serial":
+        assert fields == {"bs": 4, "d": 3, "w": 1, "topk": 1}
+        assert config.choose_mode(config.EngineConfig(bs=6), True, None, 0, _costs(target_ms, draft_ms))[2] == {}
+    if want == "ngram":
+        assert fields == {"ngram_tokens": top.fields["ngram_tokens"]}
+        assert config.choose_mode(config.EngineConfig(ngram_tokens=2), True, None, 0,
+                                  _costs(target_ms, draft_ms))[2] == {}
+    # a stored profile, a dequantized target or a pipeline still decide before the costs
+    assert config.choose_mode(config.EngineConfig(), True, {"mode": "async"}, 0, _costs(target_ms, draft_ms))[0] == "async"
+    assert "rule" in config.choose_mode(config.EngineConfig(), False, None, 0, _costs(target_ms, draft_ms))[1]
+
+
+def test_cost_model_rejects_bad_costs():
+    c = mc.priors()[-1]
+    with pytest.raises(ValueError, match="rows"):
+        mc.iteration_seconds(c, {1: 0.01}, 0.001)
+    with pytest.raises(ValueError, match="positive"):
+        mc.best(mc.priors(), {1: 0.01, 2: 0.0, 3: 0.01, 4: 0.01}, 0.001)
+
+
+def test_measuring_off_keeps_the_rule(pair, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_KERNEL_TUNING", "0")
+    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
+    assert measure_step_costs(*pair) is None
+    mode, why, _ = config.choose_mode(config.EngineConfig(), True, None, 0, None)
+    assert why.startswith("auto, rule: ")
+
+
+def test_step_costs_are_measured_once_per_machine_and_pair(pair, measuring, monkeypatch):
+    target, draft = pair
+    n_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    assert n_layers > 1 and layer_scale(target) == pytest.approx(n_layers)  # every layer alike here
+    calls = []
+    real = tuning.time_rows
+    monkeypatch.setattr(tuning, "time_rows", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    first = measure_step_costs(target, draft, 48)
+    assert first.source == "measured here" and len(calls) == 1 and calls[0] == [1, 2, 3, 4]
+    assert set(first.target_s) == set(step_costs.TARGET_ROWS) and set(first.draft_s) == set(step_costs.DRAFT_ROWS)
+    assert all(v > 0 for v in list(first.target_s.values()) + list(first.draft_s.values()))
+    assert first.variant in tuning.variants(dispatch.cpu_module().quant_impls())
+    again = measure_step_costs(target, draft, 48)
+    assert again.source == "stored" and len(calls) == 1  # read back, not timed
+    assert (again.target_s, again.draft_s, again.variant) == (first.target_s, first.draft_s, first.variant)
+    assert list(measuring.glob("*.steps.json")) and list(measuring.glob("*[0-9a-f].json"))  # beside the tuning profile
+    assert measure_step_costs(target, draft, 48, remeasure=True).source == "measured here" and len(calls) == 2
+    assert measure_step_costs(target, draft, 32).source == "measured here" and len(calls) == 3  # other shapes
+
+
+def test_forward_seconds_scale_the_layer_and_add_the_head(pair):
+    ws = model_weights(pair[0])
+    times = [{1: 1.0 if w.name != "lm_head" else 5.0} for w in ws]
+    assert step_costs.forward_seconds(ws, times, 3.0) == {1: 3.0 * (len(ws) - 1) + 5.0}
+    with pytest.raises(ValueError, match="LM head"):
+        step_costs.forward_seconds(ws[:-1], times[:-1], 3.0)
+
+
+def test_engine_auto_reports_the_measured_choice(pair, measuring):
+    """The engine measures before it spawns its workers and says so in every request's metrics."""
+    from swiftspec import Engine, SamplingParams
+
+    target, draft = pair
+    with Engine(str(target), str(draft), dtype="float32", target_cores=[0], draft_cores=[0],
+                cache_dir=measuring.parent / "cache") as e:
+        out = e.generate([5, 9, 77, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert e.mode_reason.startswith("auto, measured here: target 1/2/3/4 rows")
+    assert out.metrics.mode_reason.startswith(e.mode_reason) and e.config.mode in ("autoregressive", "ngram", "serial")
+    assert list(measuring.glob("*.steps.json"))
+
+
+def test_forward_times_never_fall_with_more_rows():
+    assert step_costs.monotone({1: 5.0, 2: 3.0, 3: 4.0, 4: 6.0}) == {1: 3.0, 2: 3.0, 3: 4.0, 4: 6.0}
+    assert step_costs.monotone({1: 1.0, 4: 2.0}) == {1: 1.0, 4: 2.0}
+
+
+def test_time_rows_cycles_through_the_weights(pair):
+    """Each pass calls every weight once per row count (a weight is called again only after all
+    the others), a warm-up pass first; every time is a positive number of seconds."""
+    m = dispatch.cpu_module()
+    if m is None:
+        pytest.skip("the CPU kernels are unavailable")
+    calls = []
+
+    class Counting:
+        def quant_linear(self, x, parts, types, impl):
+            calls.append((x.shape[0], tuple(p.data_ptr() for p in parts)))
+            return m.quant_linear(x, parts, types, impl)
+
+    ws = model_weights(pair[0])
+    out = tuning.time_rows(Counting(), ws, [1, 3], 0, reps=2)
+    assert len(out) == len(ws) and all(set(t) == {1, 3} and min(t.values()) > 0 for t in out)
+    assert len(calls) == 3 * 2 * len(ws)
+    weights_seen = [c[1] for c in calls]
+    assert weights_seen[:len(ws)] == weights_seen[len(ws):2 * len(ws)] and len(set(weights_seen[:len(ws)])) == len(ws)
+    assert [c[0] for c in calls[:2 * len(ws)]] == [1] * len(ws) + [3] * len(ws)
+    with pytest.raises(ValueError, match="positive"):
+        tuning.time_rows(Counting(), ws, [0], 0)
+
+
+def test_time_rows_keeps_the_least_pass_after_the_warm_up(pair, monkeypatch):
+    """A scripted clock (nothing timed): the warm-up pass's calls are the quickest and ignored,
+    each weight's time is its quickest later pass."""
+    ws = model_weights(pair[0])
+    clock, calls = [0.0], []
+    per_pass = (1e-4, 2e-3, 3e-3)  # warm-up, pass 1, pass 2: seconds each call takes
+
+    class Scripted:
+        def quant_linear(self, x, parts, types, impl):
+            clock[0] += per_pass[len(calls) // (2 * len(ws))]
+            calls.append(x.shape[0])
+
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    out = tuning.time_rows(Scripted(), ws, [1, 2], 0, reps=2)
+    assert out == [{1: pytest.approx(2e-3), 2: pytest.approx(2e-3)}] * len(ws)
+
+
+def test_the_new_tree_shapes_run_and_keep_the_targets_tokens(pair):
+    """The serial trees only the cost model picks (a one-leaf chain, the root's two-child fan) run
+    on the engine and give the target's own greedy tokens (the others: tests/test_engine.py, test_ngram.py)."""
+    from swiftspec import Engine, SamplingParams
+
+    target, draft = pair
+    prompt, params = [5, 9, 77, 3, 5, 9, 77], SamplingParams(max_tokens=12, ignore_eos=True)
+    with Engine(str(target), mode="autoregressive", dtype="float32", target_cores=[0]) as e:
+        want = e.generate(prompt, params).token_ids
+    for c in mc.priors():
+        if c.label not in ("serial bs 4 d 3 chain", "serial bs 3 d 1 w 2"):
+            continue
+        with Engine(str(target), str(draft), mode=c.mode, dtype="float32", target_cores=[0], draft_cores=[0],
+                    draft_payback=False, **c.fields) as e:
+            assert e.generate(prompt, params).token_ids == want, c.label
