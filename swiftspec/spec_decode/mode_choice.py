@@ -36,6 +36,11 @@ SERIAL_TREES = (
     ("bs 4 d 3 chain", {"bs": 4, "d": 3, "w": 1, "topk": 1}, (1, 1, 1)),
 )
 NGRAM_TOKENS = (1, 2, 3)
+# a candidate later in the list (more rows or draft forwards) replaces the current pick only when
+# it is expected to be this much faster: the estimate leaves out attention, norms and host time,
+# which grow with the rows and forwards, and its timings vary by a few percent between starts
+# (the kernel self-tuning asks the same of a kernel, swiftspec.ops.tuning.MARGIN)
+MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,11 @@ def tokens_per_s(c: Candidate, target_s: dict[int, float], draft_s: float) -> fl
 
 
 def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int, float],
-         draft_s: float) -> tuple[Candidate, dict[str, float]]:
-    """The candidate of most expected tokens/s (the earliest of equals: the simpler mode) and every
-    candidate's label -> tokens/s. Raises ValueError for no candidates, or a step cost that is not
-    a positive number of seconds."""
+         draft_s: float, margin: float = MARGIN) -> tuple[Candidate, dict[str, float]]:
+    """The candidate of most expected tokens/s, where a later candidate (the list runs from the
+    simplest mode to the deepest tree) replaces the pick so far only when it is expected to be
+    faster by more than ``margin`` (a fraction); and every candidate's label -> tokens/s. Raises
+    ValueError for no candidates, or a step cost that is not a positive number of seconds."""
     if not candidates:
         raise ValueError("no candidate modes")
     if not all(v > 0 for v in list(target_s.values()) + [draft_s]):
@@ -159,7 +165,7 @@ def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int
     rates = {c.label: tokens_per_s(c, target_s, draft_s) for c in candidates}
     top = candidates[0]
     for c in candidates[1:]:
-        if rates[c.label] > rates[top.label]:
+        if rates[c.label] > rates[top.label] * (1 + margin):
             top = c
     return top, rates
 
