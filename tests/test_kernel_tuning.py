@@ -178,8 +178,13 @@ def test_workers_run_the_measured_variant(ext, gguf_dir, tuning_on, monkeypatch)
 
 
 def test_profile_retunes_on_request(ext, gguf_dir, tuning_on, monkeypatch):
-    """``swiftspec profile --retune-kernels`` measures again where a measurement is stored."""
+    """``swiftspec profile --retune-kernels`` measures again where a measurement is stored: the
+    kernel variants, then the step costs auto's mode choice weighs."""
     from swiftspec.benchmark import profile
+    from swiftspec.model_executor import step_costs
+
+    remeasured = []
+    monkeypatch.setattr(step_costs, "measure_step_costs", lambda *a, **k: remeasured.append(k.get("remeasure")))
 
     assert profile.build_parser().parse_args(["--retune-kernels"]).retune_kernels
     from swiftspec.engine.config import EngineConfig
@@ -190,7 +195,7 @@ def test_profile_retunes_on_request(ext, gguf_dir, tuning_on, monkeypatch):
     n = len(timed)
     assert n and tune_kernels(pair, [1]) and len(timed) == n
     c = profile.retune(gguf_dir, gguf_dir, progress=False)
-    assert c.source == "measured here" and len(timed) == 2 * n
+    assert c.source == "measured here" and len(timed) == 2 * n and remeasured == [True]
 
 
 def test_time_variant_times_every_weight_and_row_count_until_cut_off(ext, gguf_dir):

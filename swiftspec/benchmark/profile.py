@@ -302,13 +302,17 @@ def profile(target=None, draft=None, prompts=("humaneval", "mt_bench"), num_prom
 def retune(target_dir, draft_dir, progress: bool = True):
     """Measure the quantized GEMM's variants on the pair's weights again and store the winner for
     this machine (:func:`swiftspec.model_executor.kernel_tuning.tune_kernels` with ``retune``; the
-    rows of the default configuration's verification); returns the
+    rows of the default configuration's verification), then the pair's step costs that
+    ``mode="auto"`` weighs (:func:`swiftspec.model_executor.step_costs.measure_step_costs`, so a
+    measurement taken at a busy moment is replaced); returns the
     :class:`~swiftspec.ops.tuning.Choice` (None with the kernels unavailable)."""
     from swiftspec.engine.config import EngineConfig
     from swiftspec.model_executor.kernel_tuning import tune_kernels
+    from swiftspec.model_executor.step_costs import measure_step_costs
 
     cfg = EngineConfig()
     choice = tune_kernels([(str(target_dir), None), (str(draft_dir), cfg.draft_vocab)], [1, cfg.bs], retune=True)
+    measure_step_costs(target_dir, draft_dir, cfg.draft_vocab, remeasure=True)
     if progress and choice is not None:
         times = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in choice.times_s.items())
         print(f"quantized GEMM: {choice.variant} ({choice.source}: {times or 'no GGUF weights'})", file=sys.stderr)
