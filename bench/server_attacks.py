@@ -150,17 +150,23 @@ def _worker(server) -> int:
     return server.workers()[0]
 
 
-def sigstop_busy(url: str, server) -> dict:
-    """A worker frozen mid-request: the request gets 503 after the progress deadline."""
+def _signal_mid_request(url: str, server, sig: int) -> tuple:
+    """Send ``sig`` to a worker while a long greedy request decodes; ``(response, pid)``."""
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(r=_post(url, {"messages": USER, "max_tokens": 3000,
                                                                   "temperature": 0})))
     victim = _worker(server)
     t.start()
     time.sleep(0.3)  # decoding by now
-    os.kill(victim, signal.SIGSTOP)
+    os.kill(victim, sig)
     t.join()
-    return _status(box["r"], frozen_pid=victim)
+    return box["r"], victim
+
+
+def sigstop_busy(url: str, server) -> dict:
+    """A worker frozen mid-request: the request gets 503 after the progress deadline."""
+    r, victim = _signal_mid_request(url, server, signal.SIGSTOP)
+    return _status(r, frozen_pid=victim)
 
 
 def sigstop_idle(url: str, server) -> dict:
@@ -180,15 +186,8 @@ def sigstop_idle(url: str, server) -> dict:
 def sigkill(url: str, server) -> dict:
     """A worker killed mid-request: the request gets 503 at once (a worker killed while idle is
     found by the liveness ping or the next request, whichever comes first)."""
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.update(r=_post(url, {"messages": USER, "max_tokens": 3000,
-                                                                  "temperature": 0})))
-    victim = _worker(server)
-    t.start()
-    time.sleep(0.3)  # decoding by now
-    os.kill(victim, signal.SIGKILL)
-    t.join()
-    return _status(box["r"], killed_pid=victim)
+    r, victim = _signal_mid_request(url, server, signal.SIGKILL)
+    return _status(r, killed_pid=victim)
 
 
 def deadline(url: str, server) -> dict:
