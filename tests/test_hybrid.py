@@ -235,6 +235,12 @@ def test_bad_hybrid_rows_raise(bad):
         EngineConfig(mode="hybrid", hybrid_rows=bad)
 
 
+def test_hybrid_refuses_the_payback_gate():
+    with pytest.raises(ValueError, match="draft_payback"):
+        EngineConfig(mode="hybrid", draft_payback=True)
+    EngineConfig(mode="hybrid", draft_payback=False)
+
+
 def test_config_and_worker_rows():
     from swiftspec.engine.worker import WorkerSpec
 

@@ -162,10 +162,14 @@ class Hybrid(DecodeMode):
     @classmethod
     def check_config(cls, config) -> None:
         """``hybrid_rows`` (the most rows of one verification: root, draft nodes and chain rows)
-        must be an integer of at least 2 (the root and one proposal). Raises ValueError."""
+        must be an integer of at least 2 (the root and one proposal); ``draft_payback`` (serial's
+        gate) does not apply. Raises ValueError."""
         v = config.hybrid_rows
         if isinstance(v, bool) or not isinstance(v, int) or v < 2:
             raise ValueError(f"hybrid_rows must be an integer >= 2 (the root and one proposed row), got {v!r}")
+        if config.draft_payback:
+            raise ValueError("draft_payback gates the serial mode's draft prefill; the hybrid mode always runs "
+                             "its draft: leave draft_payback unset")
 
 
 @register_mode
