@@ -81,11 +81,9 @@ class EngineConfig:
             length (:class:`swiftspec.spec_decode.ngram.NgramParams`); defaults 2, 4, 1: a verification of
             two rows costs little more than one on a CPU, more rows cost more (the forward tables
             in bench/RESULTS.md).
-        hybrid_rows: the "hybrid" mode's most rows per verification (root, draft subgraph and
-            the chain's rows the subgraph lacks; the chain keeps up to ``hybrid_rows - 1`` tokens,
-            the draft's subgraph shrinks below ``bs`` to fit); default 4, the most rows per
-            verification that auto's candidates weigh (:mod:`swiftspec.spec_decode.mode_choice`).
-            Validated by the mode (:meth:`swiftspec.spec_decode.modes.Hybrid.check_config`): >= 2.
+        hybrid_rows: "hybrid": the most rows per verification, >= 2 (root, draft subgraph and the
+            chain's other rows; the draft's subgraph shrinks below ``bs`` to fit); default 4, the
+            most that auto's step costs measure (:mod:`swiftspec.spec_decode.mode_choice`).
         d: expansions per iteration; None = automatic in async, 3 in serial and hybrid; in colocated
             the most that may overlap one verification (None: as many as fit).
         max_model_len: context length in tokens (prompt + generation).
