@@ -253,6 +253,17 @@ def test_config_and_worker_rows():
     EngineConfig(mode="serial", hybrid_rows=1)  # only the hybrid mode reads (and checks) the field
 
 
+def test_cli_sets_the_mode_and_its_rows():
+    import argparse
+
+    from swiftspec.entrypoints.cli import _add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    kw = engine_kwargs(parser.parse_args(["--mode", "hybrid", "--hybrid-rows", "3"]))
+    assert kw == {"mode": "hybrid", "hybrid_rows": 3} and EngineConfig(**kw).hybrid_rows == 3
+
+
 def test_engine_runs_hybrid(copying_dir, tiny_draft_dir, prompts, references):
     """The mode through the engine's worker processes: the target's greedy tokens, and the
     metrics count the chain's accepted rows."""
