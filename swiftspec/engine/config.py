@@ -17,7 +17,7 @@ from swiftspec.spec_decode.draft_state import TreeParams
 from swiftspec.spec_decode.modes import mode_for, registered
 from swiftspec.spec_decode.ngram import NgramParams
 
-MODES = ("async", "serial", "colocated", "autoregressive", "ngram", "pipedec", "pipeinfer", "pipeline-autoregressive")
+MODES = ("async", "serial", "hybrid", "colocated", "autoregressive", "ngram", "pipedec", "pipeinfer", "pipeline-autoregressive")
 # the modes that run the target alone (no draft model is loaded)
 TARGET_ONLY_MODES = ("autoregressive", "ngram", "pipeline-autoregressive")
 WEIGHT_FORMATS = ("native", "bfloat16", "float32")
@@ -35,7 +35,9 @@ class EngineConfig:
             "autoregressive", "ngram" (the target alone, verifying prompt-lookup proposals: the
             tokens that followed the latest earlier occurrence of the text's last ``ngram_min`` to
             ``ngram_max`` tokens, ``ngram_tokens`` of them per step; no draft model,
-            :mod:`swiftspec.spec_decode.ngram`), or a pipeline mode (with
+            :mod:`swiftspec.spec_decode.ngram`), "hybrid" (serial's draft tree and the ngram
+            proposal in one verification batch, at most ``hybrid_rows`` rows;
+            :mod:`swiftspec.spec_decode.hybrid`), or a pipeline mode (with
             ``pipeline_stages`` >= 2; :mod:`swiftspec.pipeline.decode`): "pipedec" (PipeDec: the
             draft in stage 0, one tree layer per stage; layer width ``w``, ``topk`` children per
             node), "pipeinfer" (PipeInfer: a run of ``w`` draft tokens enters every timestep,
@@ -79,7 +81,10 @@ class EngineConfig:
             length (:class:`swiftspec.spec_decode.ngram.NgramParams`); defaults 2, 4, 1: a verification of
             two rows costs little more than one on a CPU, more rows cost more (the forward tables
             in bench/RESULTS.md).
-        d: expansions per iteration; None = automatic in async, 3 in serial; in colocated
+        hybrid_rows: "hybrid": the most rows per verification, >= 2 (root, draft subgraph and the
+            chain's other rows; the draft's subgraph shrinks below ``bs`` to fit); default 4, the
+            most that auto's step costs measure (:mod:`swiftspec.spec_decode.mode_choice`).
+        d: expansions per iteration; None = automatic in async, 3 in serial and hybrid; in colocated
             the most that may overlap one verification (None: as many as fit).
         max_model_len: context length in tokens (prompt + generation).
         draft_quant: "int8" (default) or "none": weight-only quantization of the draft. The
@@ -150,6 +155,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     ngram_tokens: int = 1
+    hybrid_rows: int = 4
     max_model_len: int = 4096
     pipeline_stages: int = 1
     pipeline_order: str = "layer"
@@ -176,7 +182,7 @@ class EngineConfig:
         custom = tuple(m for m in registered() if m not in MODES and m not in ("target", "draft"))
         if self.mode != "auto" and self.mode not in MODES + custom:
             raise ValueError(f"mode must be auto or one of {MODES + custom}, got {self.mode!r}")
-        if self.mode in custom:  # a decode mode registered by user code checks its own fields
+        if self.mode in registered() and self.mode not in ("target", "draft"):  # a decode mode checks its own fields
             mode_for(self.mode).check_config(self)
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")

@@ -292,6 +292,8 @@ class Engine:
         elif ROLE_DRAFT in runner_stats:
             draft = dict(runner_stats[ROLE_DRAFT])
         target = {"wait_s": stats.wait_s, **runner_stats[ROLE_TARGET]}
+        if self.config.mode == "hybrid":  # the rows the n-gram chain added beside the draft's subgraph
+            target.update(chain_rows=stats.chain_rows, chain_accepted=stats.chain_accepted)
         if req.trace:
             target["trace"] = stats.trace
         metrics = RequestMetrics.from_events(stats.ran or self.config.mode, len(req.prompt_ids), t_start,

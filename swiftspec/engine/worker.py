@@ -45,7 +45,7 @@ class WorkerSpec:
         group: index of this worker's group in ``groups``.
         models: role -> model directory for the models this rank holds a shard of.
         kind: this group's job: "target" (async target group), "draft" (async draft group),
-            "serial" or "colocated" (both models), "autoregressive" or "ngram" (target only), "pipedec" /
+            "serial", "hybrid" or "colocated" (both models), "autoregressive" or "ngram" (target only), "pipedec" /
             "pipeinfer" / "pipeline-autoregressive" (pipeline stage 0: the leader, with the draft if any)
             or "stage" (a later pipeline stage, :func:`swiftspec.pipeline.stages.serve_stage`).
         stages: the pipeline's length (pipeline modes; 1 otherwise); stage_layers: the target's
@@ -101,8 +101,12 @@ class WorkerSpec:
 
     @property
     def verify_rows(self) -> int:
-        """The most rows a target verification takes: a draft subgraph or an n-gram chain and its root."""
-        return max(self.tree.bs, self.ngram.tokens + 1)
+        """The most rows a target verification takes: a draft subgraph or an n-gram chain and its
+        root, or in ``hybrid`` both (at most ``config.hybrid_rows``)."""
+        rows = max(self.tree.bs, self.ngram.tokens + 1)
+        if self.kind == "hybrid":
+            rows = max(rows, min(self.config.hybrid_rows, self.tree.bs + self.ngram.tokens))
+        return rows
 
     @property
     def is_leader(self) -> bool:

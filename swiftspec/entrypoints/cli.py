@@ -13,11 +13,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                                      "(default: the Qwen2.5-Coder-1.5B-Instruct target of the default pair)")
     p.add_argument("--draft", help="draft model (default: Qwen2.5-Coder-0.5B-Instruct)")
     p.add_argument("--config", help="engine configuration JSON (e.g. written by `swiftspec profile`)")
-    p.add_argument("--mode", choices=["auto", "async", "serial", "colocated", "autoregressive", "ngram", "pipedec",
+    p.add_argument("--mode", choices=["auto", "async", "serial", "hybrid", "colocated", "autoregressive", "ngram", "pipedec",
                                       "pipeinfer", "pipeline-autoregressive"], default=None,
                    help="auto = the fastest for this machine (default), async = SwiftSpec, serial = "
                         "SwiftSpec-base, colocated = SwiftSpec on one GPU (CUDA streams), autoregressive = "
-                        "target only, ngram = target only verifying prompt-lookup proposals (no draft model); "
+                        "target only, ngram = target only verifying prompt-lookup proposals (no draft model), "
+                        "hybrid = serial's draft tree and the prompt-lookup chain in one verification; "
                         "with --pipeline-stages: pipedec, pipeinfer, pipeline-autoregressive")
     p.add_argument("--pipeline-stages", type=int, help="split the target's layers into this many pipeline stages")
     p.add_argument("--pipeline-order", choices=["layer", "score"], help="pipedec's micro-batches (default layer)")
@@ -48,6 +49,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, help="ngram mode: shortest suffix looked up (default 2)")
     p.add_argument("--ngram-max", type=int, help="ngram mode: longest suffix looked up (default 4)")
     p.add_argument("--ngram-tokens", type=int, help="ngram mode: tokens proposed per verification (default 1)")
+    p.add_argument("--hybrid-rows", type=int, help="hybrid mode: most rows per verification (default 4)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default 4096)")
     p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
@@ -90,7 +92,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     ``--config`` file or the engine's defaults decide them), as :class:`EngineConfig` keyword
     arguments."""
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
-            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "max_model_len",
+            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "hybrid_rows",
+            "max_model_len",
             "kernels", "cuda_graphs", "pipeline_stages", "pipeline_order", "remote_stages", "master_addr",
             "master_port", "draft_payback", "draft_sms", "progress_timeout_s", "liveness_interval_s",
             "liveness_timeout_s"]

@@ -118,10 +118,11 @@ class DraftState:
         rows = [self.replay.child_logprobs(root_index, self.tree.path_ranks(n), values.shape[1]) for n in exp.nodes]
         return torch.tensor(rows, dtype=values.dtype).view_as(values)
 
-    def subgraph(self) -> Subgraph:
-        """The next verification batch: the root and the ``bs - 1`` heaviest nodes, ancestor-closed
-        (:meth:`DraftTree.subgraph`; with a replayed trace also each node's children as candidates)."""
-        return self.tree.subgraph(self.params.bs, candidates=self.replay is not None)
+    def subgraph(self, bs: int | None = None) -> Subgraph:
+        """The next verification batch: the root and the ``bs - 1`` heaviest nodes (``bs``: the
+        tree's ``params.bs`` unless given), ancestor-closed (:meth:`DraftTree.subgraph`; with a
+        replayed trace also each node's children as candidates)."""
+        return self.tree.subgraph(bs or self.params.bs, candidates=self.replay is not None)
 
     def reroot(self, verified: list[int]) -> Reroot:
         """Re-root on the verified tokens and apply the KV moves (SwiftSpec paper §3.2)."""

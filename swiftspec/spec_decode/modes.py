@@ -1,21 +1,21 @@
 """Decode modes as objects: one decode loop per group job behind one interface, chosen by name.
 
 A leader worker serves each request with the decode loop of its group's job (``WorkerSpec.kind``):
-``autoregressive`` and ``ngram`` (the target alone), ``serial`` and ``colocated`` (draft and target in
-one group), and the two groups of ``async`` (``target``: verifies; ``draft``: expands its tree
+``autoregressive`` and ``ngram`` (the target alone), ``serial``, ``hybrid`` and ``colocated`` (draft
+and target in one group), and the two groups of ``async`` (``target``: verifies; ``draft``: expands its tree
 concurrently). Each is a :class:`DecodeMode` subclass registered under its name
 (:func:`register_mode`); the engine looks the class up once (:func:`mode_for`) and hands it to the
 leader worker in its spec, so a mode registered by user code (a module the worker can import, as
 vLLM's ``spec_decode/`` keeps one proposer per file behind one interface) runs through the spawned
 workers without any change here. The loops themselves are plain functions of
-:mod:`swiftspec.spec_decode.target_loops`, :mod:`~swiftspec.spec_decode.tree_loops` and
+:mod:`swiftspec.spec_decode.target_loops`, :mod:`~swiftspec.spec_decode.tree_loops`, :mod:`~swiftspec.spec_decode.hybrid` and
 :mod:`~swiftspec.spec_decode.async_loops`, on the step functions of :mod:`swiftspec.spec_decode.scheduler`.
 """
 from __future__ import annotations
 
 from typing import Callable, ClassVar
 
-from swiftspec.spec_decode import async_loops, scheduler, target_loops, tree_loops
+from swiftspec.spec_decode import async_loops, hybrid, scheduler, target_loops, tree_loops
 from swiftspec.spec_decode.ngram import NgramProposer
 from swiftspec.spec_decode.payback import PaybackGate
 
@@ -143,6 +143,33 @@ class Serial(DecodeMode):
         """Draft and target take turns on every device (:func:`~swiftspec.spec_decode.tree_loops.run_serial`;
         the payback gate may run the target alone); returns its ``TargetStats``."""
         return tree_loops.run_serial(self.draft, self.target, req, emit, stop, self.gate)
+
+
+@register_mode
+class Hybrid(DecodeMode):
+    """Serial's draft tree and the n-gram proposer's chain in one verification batch
+    (:mod:`swiftspec.spec_decode.hybrid`): the chain hangs from the root beside the draft's
+    subgraph, at most ``hybrid_rows`` rows in all."""
+
+    name = "hybrid"
+
+    def run(self, req, emit, stop):
+        """Serial's loop verifying the draft's subgraph and the prompt-lookup chain together
+        (:func:`~swiftspec.spec_decode.hybrid.run_hybrid`); returns its ``TargetStats``."""
+        return hybrid.run_hybrid(self.draft, self.target, req, emit, lambda ids: NgramProposer(self.spec.ngram, ids),
+                                 self.spec.config.hybrid_rows, stop)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """``hybrid_rows`` (the most rows of one verification: root, draft nodes and chain rows)
+        must be an integer of at least 2 (the root and one proposal); ``draft_payback`` (serial's
+        gate) does not apply. Raises ValueError."""
+        v = config.hybrid_rows
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ValueError(f"hybrid_rows must be an integer >= 2 (the root and one proposed row), got {v!r}")
+        if config.draft_payback:
+            raise ValueError("draft_payback gates the serial mode's draft prefill; the hybrid mode always runs "
+                             "its draft: leave draft_payback unset")
 
 
 @register_mode

@@ -114,8 +114,9 @@ class TargetStats:
     """The target loop's counters for one request: ``verifications`` (target forwards that verified),
     ``accepted`` (accepted nodes per verification), ``wait_s`` (seconds waiting for a subgraph),
     ``reason`` (finish reason: "stop", "length" or "cancelled"), ``trace`` (per-step records when
-    debugging), ``ran`` / ``ran_reason`` (a gated serial request that ran the target alone, and why)
-    and ``step_s`` (that request's target-alone step, seconds)."""
+    debugging), ``ran`` / ``ran_reason`` (a gated serial request that ran the target alone, and why),
+    ``step_s`` (that request's target-alone step, seconds), and ``chain_rows`` / ``chain_accepted``
+    (``hybrid``: rows a chain proposer added beside the draft's subgraph, and those accepted)."""
 
     verifications: int = 0
     accepted: list[int] = field(default_factory=list)
@@ -126,6 +127,8 @@ class TargetStats:
     ran: str | None = None
     ran_reason: str = ""  # the PaybackGate's reasoning, where one decided
     step_s: float = 0.0  # a gated request's target-alone step after its prefill, seconds
+    chain_rows: int = 0  # hybrid: verification rows the chain proposer added beside the draft's subgraph
+    chain_accepted: int = 0  # ... and those on an accepted path
 
 
 def verify_step(target: TargetState, sg: Subgraph, sampler: Sampler, stop: StopChecker,
