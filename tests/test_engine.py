@@ -217,34 +217,33 @@ def test_abandoned_stream_is_cancelled(tiny_dir, tiny_draft_dir, reference):
 
 
 def test_auto_mode_follows_a_stored_profile_else_the_measured_rule(tmp_path, monkeypatch):
-    from swiftspec.engine import config
-    from swiftspec.engine import machine_profile
+    from swiftspec.engine import config, machine_profile, mode_selection
 
     auto = config.EngineConfig()
-    assert config.choose_mode(config.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
+    assert mode_selection.choose_mode(config.EngineConfig(mode="serial"), True, {"mode": "async"}) == (
         "serial", "as configured", {})
-    mode, why, tree = config.choose_mode(auto, True, None)  # no profile: the built-in rule says why
+    mode, why, tree = mode_selection.choose_mode(auto, True, None)  # no profile: the built-in rule says why
     assert mode in config.MODES and why.startswith("auto, rule: ")
-    assert tree in ({}, config.SHALLOW_TREE) and (tree == config.SHALLOW_TREE) == ("bs 2, d 1" in why)
+    assert tree in ({}, mode_selection.SHALLOW_TREE) and (tree == mode_selection.SHALLOW_TREE) == ("bs 2, d 1" in why)
     # the rule's shallow tree where a SIMD kernel reads the blocks; a shape the user sets wins
-    monkeypatch.setattr(config, "_available_cores", lambda: [0, 1])
-    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
+    monkeypatch.setattr(mode_selection, "_available_cores", lambda: [0, 1])
+    monkeypatch.setattr(mode_selection, "_numa_nodes", lambda: 1)
     from swiftspec import ops
-    for isa, want in (("avx512_vnni", ("serial", config.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", config.SHALLOW_TREE)),
+    for isa, want in (("avx512_vnni", ("serial", mode_selection.SHALLOW_TREE)), ("avx512_vnni_512", ("serial", mode_selection.SHALLOW_TREE)),
                       ("avx2", ("ngram", {})), ("scalar", ("autoregressive", {})),
                       ("torch", ("autoregressive", {}))):
         monkeypatch.setattr(ops, "cpu_dispatch", lambda isa=isa: {"quant_gemm": isa})
-        mode, why, tree = config.choose_mode(auto, True, None)
+        mode, why, tree = mode_selection.choose_mode(auto, True, None)
         assert (mode, tree) == want and isa in why
-    assert config.choose_mode(config.EngineConfig(bs=4), True, None)[2] == {}
-    assert config.choose_mode(auto, False, None)[:1] == ("serial",)  # dequantized target: the default tree
+    assert mode_selection.choose_mode(config.EngineConfig(bs=4), True, None)[2] == {}
+    assert mode_selection.choose_mode(auto, False, None)[:1] == ("serial",)  # dequantized target: the default tree
     profiled = {"mode": "async", "bs": 6, "w": 2, "topk": 2, "d": 3,
                 "_measured": {"date": "2026-11-23 10:00", "tokens_per_s": 12.5}}
-    assert config.choose_mode(auto, True, profiled) == (
+    assert mode_selection.choose_mode(auto, True, profiled) == (
         "async", "auto: swiftspec profile of 2026-11-23 10:00 measured it fastest on this machine and model "
         "pair (12.50 tokens/s)", {"bs": 6, "w": 2, "topk": 2, "d": 3})
-    assert config.choose_mode(config.EngineConfig(w=4), True, profiled)[2] == {}
-    assert config.choose_mode(auto, True, {"mode": "warp"})[0] != "warp"  # a broken record is ignored
+    assert mode_selection.choose_mode(config.EngineConfig(w=4), True, profiled)[2] == {}
+    assert mode_selection.choose_mode(auto, True, {"mode": "warp"})[0] != "warp"  # a broken record is ignored
     # stored per machine and pair, atomically; another pair or a corrupt file has none
     t, d, other = tmp_path / "t", tmp_path / "d", tmp_path / "o"
     path = machine_profile.save_profile(profiled, t, d, tmp_path / "cache")

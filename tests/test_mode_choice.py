@@ -9,7 +9,7 @@ import json
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from swiftspec.engine import config
+from swiftspec.engine import config, mode_selection
 from swiftspec.model_executor import step_costs
 from swiftspec.model_executor.kernel_tuning import model_weights
 from swiftspec.model_executor.step_costs import StepCosts, layer_scale, measure_step_costs
@@ -39,7 +39,7 @@ def measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("SWIFTSPEC_KERNEL_TUNING", "1")
     monkeypatch.setenv("SWIFTSPEC_KERNEL_PROFILES", str(tmp_path / "profiles"))
     monkeypatch.delenv("SWIFTSPEC_QUANT_GEMM", raising=False)
-    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
+    monkeypatch.setattr(mode_selection, "_numa_nodes", lambda: 1)
     return tmp_path / "profiles"
 
 
@@ -87,8 +87,8 @@ def _costs(target_ms, draft_ms):
     ((10, 10.5, 11, 11.5), 1, "serial"),  # rows nearly free, the draft cheap: the deepest chain
 ])
 def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
-    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
-    mode, why, fields = config.choose_mode(config.EngineConfig(), True, None, 0, _costs(target_ms, draft_ms))
+    monkeypatch.setattr(mode_selection, "_numa_nodes", lambda: 1)
+    mode, why, fields = mode_selection.choose_mode(config.EngineConfig(), True, None, 0, _costs(target_ms, draft_ms))
     assert mode == want and why.startswith("auto, measured here")
     assert f"target 1/2/3/4 rows {'/'.join(f'{t:.1f}' for t in target_ms)} ms" in why
     assert f"draft 1 row {draft_ms:.1f} ms" in why and "avx2" in why
@@ -97,14 +97,14 @@ def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
     assert rates[top.label] * (1 + mc.MARGIN) >= max(rates.values()) and f"{top.label} {rates[top.label]:.1f}" in why
     if want == "serial":
         assert fields == {"bs": 4, "d": 3, "w": 1, "topk": 1}
-        assert config.choose_mode(config.EngineConfig(bs=6), True, None, 0, _costs(target_ms, draft_ms))[2] == {}
+        assert mode_selection.choose_mode(config.EngineConfig(bs=6), True, None, 0, _costs(target_ms, draft_ms))[2] == {}
     if want == "ngram":
         assert fields == {"ngram_tokens": top.fields["ngram_tokens"]}
-        assert config.choose_mode(config.EngineConfig(ngram_tokens=2), True, None, 0,
+        assert mode_selection.choose_mode(config.EngineConfig(ngram_tokens=2), True, None, 0,
                                   _costs(target_ms, draft_ms))[2] == {}
     # a stored profile, a dequantized target or a pipeline still decide before the costs
-    assert config.choose_mode(config.EngineConfig(), True, {"mode": "async"}, 0, _costs(target_ms, draft_ms))[0] == "async"
-    assert "rule" in config.choose_mode(config.EngineConfig(), False, None, 0, _costs(target_ms, draft_ms))[1]
+    assert mode_selection.choose_mode(config.EngineConfig(), True, {"mode": "async"}, 0, _costs(target_ms, draft_ms))[0] == "async"
+    assert "rule" in mode_selection.choose_mode(config.EngineConfig(), False, None, 0, _costs(target_ms, draft_ms))[1]
 
 
 def test_a_deeper_candidate_must_win_by_the_margin():
@@ -129,9 +129,9 @@ def test_cost_model_rejects_bad_costs():
 
 def test_measuring_off_keeps_the_rule(pair, monkeypatch):
     monkeypatch.setenv("SWIFTSPEC_KERNEL_TUNING", "0")
-    monkeypatch.setattr(config, "_numa_nodes", lambda: 1)
+    monkeypatch.setattr(mode_selection, "_numa_nodes", lambda: 1)
     assert measure_step_costs(*pair) is None
-    mode, why, _ = config.choose_mode(config.EngineConfig(), True, None, 0, None)
+    mode, why, _ = mode_selection.choose_mode(config.EngineConfig(), True, None, 0, None)
     assert why.startswith("auto, rule: ")
 
 

@@ -16,7 +16,8 @@ from conftest import pid_alive
 
 from swiftspec import Engine, SamplingParams, WorkerError
 from swiftspec.distributed.rendezvous import TOKEN_ENV
-from swiftspec.engine.config import EngineConfig, choose_mode
+from swiftspec.engine.config import EngineConfig
+from swiftspec.engine.mode_selection import choose_mode
 from swiftspec.model_executor.models.llama import load_model
 from swiftspec.pipeline.partition import checkpoint_layer_bytes, partition_layers
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from swiftspec import Engine
 from swiftspec.distributed.parallel import backend_for, control_backend, shares_gpu
-from swiftspec.engine.config import EngineConfig, choose_mode
+from swiftspec.engine.config import EngineConfig
+from swiftspec.engine.mode_selection import choose_mode
 from swiftspec.engine.placement import (PlacementError, plan_groups, resolve_device, split_cores, split_gpus,
                                        union_cores)
 

@@ -92,7 +92,7 @@ def _resolve_device_dtype(args: argparse.Namespace) -> str:
     CPUs with bf16 instructions, float32 elsewhere."""
     import torch
 
-    from swiftspec.engine.config import cpu_has_bf16
+    from swiftspec.engine.mode_selection import cpu_has_bf16
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

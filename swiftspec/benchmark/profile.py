@@ -10,7 +10,7 @@ to end on calibration prompts and write the chosen configuration as JSON for
 
 Besides the splits, the shared allocation is a candidate: ``serial`` mode (SwiftSpec-base, §5.4),
 where draft and target take turns on every device, with the default tree, the shallow one
-(``engine.SHALLOW_TREE``: bs 2, one expansion, the fastest with AVX-512 VNNI) and a middle one
+(``mode_selection.SHALLOW_TREE``: bs 2, one expansion, the fastest with AVX-512 VNNI) and a middle one
 (:data:`MIDDLE_TREE`: bs 4, two expansions, within a few percent of the shallow one on AMD Zen 5,
 so a machine where it is clearly faster gets it; bench/LOG.md, "Tree shapes side by side"); and so
 is the target alone (``autoregressive``), which wins where a verification batch costs more than it
@@ -168,7 +168,7 @@ def _candidates(splits, shapes, devices: list[int], dflt, gpus: list[int], sms: 
     its automatic value: every async split x tree shape (``shapes``: (bs, w) pairs), serial with
     the default tree, the shallow and the middle tree, autoregressive, ngram, and on GPUs
     colocated with all SMs and with a quarter (``sms``: the first GPU's SM count) for the draft."""
-    from swiftspec.engine.config import SHALLOW_TREE
+    from swiftspec.engine.mode_selection import SHALLOW_TREE
 
     out = []
     for t_dev, d_dev in splits:

@@ -1,8 +1,7 @@
-"""The engine's configuration and the automatic choice of mode (docs/architecture.md §5.3).
+"""The engine's configuration (docs/architecture.md §5.3).
 
-:class:`EngineConfig` validates every field when it is built; :func:`choose_mode` resolves
-``mode="auto"`` from a stored ``swiftspec profile`` or the rules measured on this project's
-machines (bench/RESULTS.md).
+:class:`EngineConfig` validates every field when it is built; what ``mode="auto"`` resolves to is
+:func:`swiftspec.engine.mode_selection.choose_mode`'s.
 """
 from __future__ import annotations
 
@@ -272,140 +271,7 @@ class EngineConfig:
         return cls(**data)
 
 
-def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dict | None = None, gpus: int = 0,
-                step_costs=None) -> tuple[str, str, dict]:
-    """The mode to run and why: ``config.mode`` unless it is "auto".
-
-    "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
-    pair when one is stored (``profiled``, :func:`swiftspec.engine.machine_profile.cached_profile`).
-    Before a profile exists, with the target on its GGUF blocks and every core on one bus, it
-    weighs the modes by ``step_costs`` where given (:class:`swiftspec.model_executor.step_costs.StepCosts`:
-    this machine's target and draft forwards, timed by the kernel self-tuning): the most expected
-    tokens/s among ``autoregressive``, ``ngram`` and shallow ``serial`` trees with the packaged
-    acceptance trace's priors (:mod:`swiftspec.spec_decode.mode_choice`; the reason starts
-    "auto, measured here" and names the costs). Otherwise (``SWIFTSPEC_KERNEL_TUNING=0``, float
-    weights, kernels off) it applies these rules, each the mode measured fastest on that kind of
-    machine (the reason starts "auto, rule"; the current tables and their commands in
-    bench/RESULTS.md, the measurements behind each rule in bench/LOG.md):
-
-    * Several NUMA nodes: ``async``, each group with a memory bus of its own.
-    * Every core on one bus, the target on its GGUF blocks (``target_native``) with the AVX2
-      quantized kernel (:data:`NGRAM_QUANT_KERNELS`; no VNNI): ``ngram``. Side by side on the same
-      prompts it decoded faster than the shallow ``serial`` tree, which gained little over the
-      target alone there: each of its steps adds a draft forward (about a third of a target step)
-      and each request a draft prefill, while prompt-lookup proposals cost nothing.
-    * The same with an AVX-512 VNNI kernel (:data:`SIMD_QUANT_KERNELS`): ``serial`` with a two-node
-      subgraph (:data:`SHALLOW_TREE`: bs 2, one expansion). A two-node verification costs about as
-      much as a one-row step there, so one draft expansion per verification pays; a verification
-      of n nodes grows with n, so deeper trees were slower or within the margin ``swiftspec
-      profile`` asks of a change (``ngram`` has not been measured against it on these CPUs).
-    * The scalar kernel or the kernels off: ``autoregressive`` (a verification batch costs more
-      than the tokens it saves).
-    * Dequantized weights (each forward reads several times the bytes, so several nodes cost little
-      more than one): ``serial`` on all cores, which beat ``async`` since splitting the bus slows the
-      target more than the overlap saves.
-
-    On CUDA (``gpus``: the GPUs the engine will use, 0 on CPU) a stored profile decides as on the
-    CPU (its machine id names the GPU, so a CPU profile never applies there; ``swiftspec profile``
-    measures the GPU layouts, ``colocated`` included); the CPU rule does not apply. Without a
-    profile: with two GPUs or more ``async`` (one group per GPU set, the paper's layout); on one
-    GPU ``autoregressive``, since with the default pair's shapes a draft forward costs about two
-    thirds of a target step and no compression the pair reaches pays for it, while with a target
-    64 times its draft (32B over 0.5B) ``colocated`` decoded 1.5-1.75x faster than the target alone
-    (docs/gpu.md, records ``bench/results/gpu-*``): which side of that line a pair falls on is
-    measured by ``swiftspec profile``; ``colocated`` and ``serial`` run when asked for.
-
-    Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
-    ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
-    ``{}`` when the mode was configured or the configuration sets its own shape; a measured
-    ``ngram`` choice sets ``ngram_tokens`` unless the configuration sets it.
-    """
-    if config.mode != "auto":
-        return config.mode, "as configured", {}
-    if config.pipeline_stages > 1:
-        return "pipedec", f"auto: {config.pipeline_stages} pipeline stages", {}
-    own = _user_tree(config)
-    if profiled is not None and profiled.get("mode") in MODES:
-        measured = profiled.get("_measured") or {}
-        tree = {} if own else {k: profiled[k] for k in _TREE_FIELDS if k in profiled}
-        return profiled["mode"], (f"auto: swiftspec profile of {measured.get('date', '?')} measured it fastest "
-                                  f"on this machine and model pair ({measured.get('tokens_per_s', 0):.2f} tokens/s)"), tree
-    if gpus:
-        if gpus >= 2:
-            return "async", f"auto: {gpus} GPUs, a draft group and a target group (run `swiftspec profile` to measure)", {}
-        return "autoregressive", ("auto: one GPU and no `swiftspec profile` of this pair on it yet; on the default "
-                                  "pair's shapes a draft forward costs about two thirds of a target step, where no "
-                                  "speculation pays, while a target many times its draft's size gains from "
-                                  "`colocated` (docs/gpu.md): `swiftspec profile` measures it here"), {}
-    nodes, cores = _numa_nodes(), len(_available_cores())
-    if nodes >= 2 and cores >= 2:
-        return "async", f"auto, rule: {cores} cores on {nodes} NUMA nodes, one memory bus per group", {}
-    if target_native and config.weights == "native" and step_costs is not None:
-        return _measured_mode(config, step_costs, own)
-    if target_native and config.weights == "native":
-        from swiftspec import ops
-
-        isa = ops.cpu_dispatch()["quant_gemm"] if config.kernels else "torch"
-        if isa in NGRAM_QUANT_KERNELS:
-            return "ngram", (f"auto, rule: {cores} cores share one memory bus and the target reads its quantized blocks "
-                             f"({isa}), where a draft forward costs a third of a target step: the target alone "
-                             f"verifying prompt-lookup proposals measured fastest"), {}
-        if isa in SIMD_QUANT_KERNELS:
-            return "serial", (f"auto, rule: {cores} cores share one memory bus and the target reads its quantized blocks "
-                              f"({isa}): serial with a two-node subgraph (bs 2, d 1) measured fastest"), \
-                {} if own else dict(SHALLOW_TREE)
-        return "autoregressive", (f"auto, rule: {cores} cores share one memory bus and the target reads its quantized "
-                                  f"blocks ({isa}), where the draft's expansions cost more than the tokens they save"), {}
-    return "serial", f"auto, rule: {cores} cores share one memory bus, where serial measured faster than async", {}
-
-
-def _measured_mode(config: EngineConfig, costs, own_tree: bool) -> tuple[str, str, dict]:
-    """choose_mode's pick from this machine's step costs (:mod:`swiftspec.spec_decode.mode_choice`);
-    a shape the configuration sets wins over the candidate's."""
-    from swiftspec.spec_decode import mode_choice
-
-    cands = mode_choice.priors(ngram=NgramParams(config.ngram_min, config.ngram_max, 1))
-    top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s[1])
-    why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s[1], costs.variant)
-    own = own_tree if top.mode == "serial" else config.ngram_tokens != EngineConfig().ngram_tokens
-    return top.mode, why, {} if own else dict(top.fields)
-
-
 # Prompt tokens per second of prefill the progress deadline allows for before the first token
 # (EngineConfig.progress_timeout_s): a tenth of the slowest prefill in bench/RESULTS.md (the 1.5B
 # target on two CPU cores prefills a few hundred tokens a second), so only a stuck worker trips it.
 PREFILL_TOKENS_PER_S = 16
-
-# The tree shape of the built-in rule's shallow serial mode (choose_mode): verify the root and
-# the draft's best child, one draft expansion per verification.
-SHALLOW_TREE = {"bs": 2, "d": 1}
-# the quantized-GEMM kernels (ops.cpu_dispatch()["quant_gemm"]) with which that mode measured fastest
-SIMD_QUANT_KERNELS = ("avx512_vnni_512", "avx512_vnni", "avx2")
-# ... and those with which the ngram mode measured faster still (AVX2 without VNNI, an AMD Zen 3: ngram
-# ahead of both autoregressive and serial bs 2 with the payback gate on the 30 prompts, side by side;
-# bench/RESULTS.md)
-NGRAM_QUANT_KERNELS = ("avx2",)
-_TREE_FIELDS = ("bs", "w", "topk", "d")
-
-
-def _user_tree(config: EngineConfig) -> bool:
-    """Whether the configuration sets a tree field to other than its default (its shape wins)."""
-    dflt = EngineConfig()
-    return any(getattr(config, k) != getattr(dflt, k) for k in _TREE_FIELDS)
-
-
-def cpu_has_bf16() -> bool:
-    """True if the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _numa_nodes() -> int:
-    return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
-
-
-def _available_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

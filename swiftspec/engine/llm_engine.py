@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from swiftspec.engine.config import (PREFILL_TOKENS_PER_S, EngineConfig, _available_cores, _numa_nodes, choose_mode,
-                                     cpu_has_bf16)
+from swiftspec.engine.config import PREFILL_TOKENS_PER_S, EngineConfig
+from swiftspec.engine.mode_selection import _available_cores, _numa_nodes, choose_mode, cpu_has_bf16
 from swiftspec.engine.detokenize import IncrementalText
 from swiftspec.engine.metrics import RequestMetrics
 from swiftspec.engine.outputs import (EngineError, GenerationOutput, RequestError, StreamChunk, TokenizerMismatchError,

@@ -5,7 +5,7 @@ configuration it stores the chosen mode under ``<cache>/profiles/<key>.json``, w
 names the CPU model (``/proc/cpuinfo``'s model name), the cores the profile ran on, the GPU model
 when one is visible, and the two model directories. ``Engine(mode="auto")`` then uses that
 measured mode on the same machine and pair instead of the built-in rule
-(:func:`swiftspec.engine.config.choose_mode`). Architecture: docs/architecture.md §5.3.
+(:func:`swiftspec.engine.mode_selection.choose_mode`). Architecture: docs/architecture.md §5.3.
 """
 from __future__ import annotations
 

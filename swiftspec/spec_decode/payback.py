@@ -21,7 +21,7 @@ sigma)`` (``T_prefill``: this prompt's target prefill, ``t_step``: its target-al
 just measured; ``budget``: the tokens it may still generate).
 
 Why a floor on ``sigma``: the mode that runs here was chosen because it measured faster than the
-target alone over many requests (:func:`swiftspec.engine.config.choose_mode`), while a single request's
+target alone over many requests (:func:`swiftspec.engine.mode_selection.choose_mode`), while a single request's
 measurement swings with the machine's memory state: on a 2-core Zen 5 running the AVX2 code,
 speculation ran slower than the target alone while memory was fast and well ahead of it while it
 was slow, within minutes. With the measurement alone, a few fast-state requests made later code
