@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from swiftspec.engine.config import PREFILL_TOKENS_PER_S, EngineConfig
-from swiftspec.engine.mode_selection import _available_cores, _numa_nodes, choose_mode, cpu_has_bf16
+from swiftspec.engine.mode_selection import _available_cores, cpu_has_bf16, resolve_mode
 from swiftspec.engine.detokenize import IncrementalText
 from swiftspec.engine.metrics import RequestMetrics
 from swiftspec.engine.outputs import (EngineError, GenerationOutput, RequestError, StreamChunk, TokenizerMismatchError,
@@ -63,7 +63,6 @@ class Engine:
         elif overrides:
             config = EngineConfig(**{**config.__dict__, **overrides})
         from swiftspec.engine.placement import resolve_device, split_gpus
-        from swiftspec.model_executor.models.llama import native_types
         from swiftspec.weights.loader import resolve_model
 
         self.device = resolve_device(config.device)
@@ -80,21 +79,7 @@ class Engine:
             ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
             gpus = len(set(ids))
         self.target_path = resolve_model(target, "target", cache_dir)
-        profiled = draft_path = step_costs = None
-        if config.mode == "auto":  # a stored profile is keyed by both models (the default draft unfetched)
-            from swiftspec.engine.machine_profile import cached_profile
-            from swiftspec.weights.default_pair import default_model_dir
-
-            draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
-            draft_dir = draft_path or default_model_dir("draft", cache_dir)
-            profiled = cached_profile(self.target_path, draft_dir, cache_dir)
-            if (profiled is None and not gpus and config.pipeline_stages == 1 and config.weights == "native"
-                    and config.kernels and _numa_nodes() < 2):  # where measured step costs decide (choose_mode)
-                from swiftspec.model_executor.step_costs import measure_step_costs  # None: SWIFTSPEC_KERNEL_TUNING=0
-
-                step_costs = measure_step_costs(self.target_path, draft_dir, config.draft_vocab)
-        mode, self.mode_reason, tree = choose_mode(config, bool(native_types(self.target_path)),
-                                                   profiled, gpus, step_costs)
+        mode, self.mode_reason, tree, draft_path = resolve_mode(config, self.target_path, draft, cache_dir, gpus)
         if config.draft_sms is not None and mode != "colocated":
             raise ValueError(f"draft_sms={config.draft_sms} splits one GPU between the colocated mode's two models, "
                              f"but mode={config.mode!r} runs {mode!r} here ({self.mode_reason}): set mode='colocated'")

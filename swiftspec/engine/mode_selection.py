@@ -145,3 +145,36 @@ def _measured_mode(config: EngineConfig, costs, own_tree: bool) -> tuple[str, st
     why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s[1], costs.variant)
     own = own_tree if top.mode == "serial" else config.ngram_tokens != EngineConfig().ngram_tokens
     return top.mode, why, {} if own else dict(top.fields)
+
+
+def resolve_mode(config: EngineConfig, target_path: Path, draft, cache_dir, gpus: int
+                 ) -> tuple[str, str, dict, Path | None]:
+    """What the engine runs for ``config``: :func:`choose_mode` fed with this machine's stored
+    ``swiftspec profile`` of the pair (:func:`swiftspec.engine.machine_profile.cached_profile`,
+    keyed by both models: the default draft's directory where ``draft`` is None, not fetched)
+    and, where those decide (auto, no profile, CPU, one pipeline stage, native weights, kernels
+    on, one NUMA node), the pair's step costs measured here
+    (:func:`swiftspec.model_executor.step_costs.measure_step_costs`; None under
+    ``SWIFTSPEC_KERNEL_TUNING=0``). ``gpus``: the GPUs the engine uses (0 on the CPU).
+
+    Returns ``(mode, reason, tree fields, the draft's resolved directory or None)``.
+    Raises what :func:`swiftspec.weights.loader.resolve_model` raises for a draft it cannot find.
+    """
+    from swiftspec.model_executor.models.llama import native_types
+
+    profiled = draft_path = step_costs = None
+    if config.mode == "auto":
+        from swiftspec.engine.machine_profile import cached_profile
+        from swiftspec.weights.default_pair import default_model_dir
+        from swiftspec.weights.loader import resolve_model
+
+        draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
+        draft_dir = draft_path or default_model_dir("draft", cache_dir)
+        profiled = cached_profile(target_path, draft_dir, cache_dir)
+        if (profiled is None and not gpus and config.pipeline_stages == 1 and config.weights == "native"
+                and config.kernels and _numa_nodes() < 2):
+            from swiftspec.model_executor.step_costs import measure_step_costs
+
+            step_costs = measure_step_costs(target_path, draft_dir, config.draft_vocab)
+    mode, reason, tree = choose_mode(config, bool(native_types(target_path)), profiled, gpus, step_costs)
+    return mode, reason, tree, draft_path
