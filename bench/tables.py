@@ -142,11 +142,13 @@ def render(record) -> str:
         lines += [f"| {r['rows']} | {r['huge_min_ms']:.1f} | {r['huge_median_ms']:.1f} | {r['4k_min_ms']:.1f} | "
                   f"{r['4k_median_ms']:.1f} | {r['speedup_min']:.3f}x | {r['speedup_median']:.3f}x |" for r in record["results"]]
         return "\n".join(lines)
+    if isinstance(record, dict) and record.get("kind") == "engine_speed_before_after":
+        return _engine_speed(record)
     if isinstance(record, dict) and "layout" in (record.get("runs") or [record])[0].get("rows", [{}])[0]:
         return _shared_core(record)
     raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
-                     "bench/accuracy.py, bench/huge_pages.py, bench/shared_core.py, swiftspec generate --json or "
-                     "bench/server_load.py")
+                     "bench/accuracy.py, bench/huge_pages.py, bench/shared_core.py, bench/engine_speed.py, swiftspec "
+                     "generate --json or bench/server_load.py")
 
 
 def _shared_core(record: dict) -> str:
@@ -162,6 +164,17 @@ def _shared_core(record: dict) -> str:
         lines.append(f"| {i} | " + " | ".join(f"{rows[name]['median_tokens_per_s']:.1f}" for name in layouts)
                      + f" | {', '.join(f'{x:.2f}' for x in ratio) if ratio else '-'} |")
     return "\n".join(lines)
+
+
+def _engine_speed(record: dict) -> str:
+    """bench/engine_speed.py: decode tokens/s per tree, mode and prompt, in the order the trees
+    ran, and whether every tree generated the same ids."""
+    modes = [k for k in record["runs"][0] if isinstance(record["runs"][0][k], list) and not k.endswith("_tokens")]
+    lines = ["| tree | " + " | ".join(f"{m} tokens/s" for m in modes) + " |", "|---|" + "---|" * len(modes)]
+    lines += [f"| {r['tree']} | " + " | ".join(" / ".join(f"{v:.2f}" for v in r[m]) for m in modes) + " |"
+              for r in record["runs"]]
+    same = len({r[f"{m}_ids_hash"] for r in record["runs"] for m in modes}) == 1
+    return "\n".join(lines + ["", f"same generated ids in every run and mode: {'yes' if same else 'no'}"])
 
 
 def _device_forward(record: dict, capacity: set) -> str:
