@@ -205,8 +205,8 @@ class WorkerProcesses:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                names = ", ".join(f"{self.procs[self.conns.index(c)].name} (pid {self.procs[self.conns.index(c)].pid})"
-                                  for c in pending.values())
+                procs = [self.procs[self.conns.index(c)] for c in pending.values()]
+                names = ", ".join(f"{p.name} (pid {p.pid})" for p in procs)
                 self.fail(f"{names} did not answer a liveness ping within {timeout_s:g} s: a frozen or hung worker")
             wait(list(pending.values()) + [p.sentinel for p in self.procs], timeout=left)
             for kind, conn in list(pending.items()):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -60,11 +59,6 @@ class StepCosts:
     variant: str
     source: str
     path: str | None = field(default=None, compare=False)
-
-
-def measurement_allowed() -> bool:
-    """Whether step costs may be measured: not where ``SWIFTSPEC_KERNEL_TUNING=0``."""
-    return os.environ.get("SWIFTSPEC_KERNEL_TUNING", "1") != "0"
 
 
 def layer_scale(model_dir: str | Path, weights: tuple[str, ...] = tuple(_LAYER_WEIGHTS)) -> float:
@@ -140,7 +134,7 @@ def measure_step_costs(target_dir: str | Path, draft_dir: str | Path, draft_voca
     unavailable, or either model lacks GGUF blocks with a kernel (float weights).
     Raises OSError / safetensors errors for an unreadable blocks file.
     """
-    if not measurement_allowed():
+    if not tuning.measuring_enabled():
         return None
     from swiftspec import ops
 
