@@ -92,14 +92,25 @@ def cache_root() -> Path:
 
 def build_dir(tag: str) -> Path:
     """The CPU extension's build directory for ``tag`` (created if missing):
-    ``$SWIFTSPEC_CACHE/build/<tag>-<machine>-<hash of the CPU flags>`` (default cache
-    ``~/.cache/swiftspec``), so ``-march=native`` code is never reused on another CPU model."""
+    ``$SWIFTSPEC_CACHE/build/<tag>-<machine>-<hash of the CPU flags>-<hash of torch's directory>``
+    (default cache ``~/.cache/swiftspec``). The CPU flags, so ``-march=native`` code is never
+    reused on another CPU model; torch's installed directory (symlinks resolved), because
+    ``cpp_extension`` writes its include and library paths into every compile command and ninja
+    rebuilds every object whose command changed: two virtual environments at two paths (a
+    checkout's ``.venv`` and a clean clone's) sharing one directory rebuilt all of it each time
+    the other had built (about 5 minutes for the main module on 2 cores). Each keeps its own."""
     root = cache_root()
-    # -march=native code must not be reused on a different CPU model
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
-    d = root / "build" / f"{tag}-{platform.machine()}-{cpu}"
+    env = hashlib.sha256(str(_torch_dir()).encode()).hexdigest()[:8]
+    d = root / "build" / f"{tag}-{platform.machine()}-{cpu}-{env}"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _torch_dir() -> Path:
+    import torch
+
+    return Path(torch.__file__).resolve().parent
 
 
 def _cpu_flags() -> str:
