@@ -92,6 +92,18 @@ def test_load_survives_a_stale_torch_build_lock():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+def test_each_torch_installation_builds_in_a_directory_of_its_own(monkeypatch, tmp_path):
+    """cpp_extension names torch's include and library directories in every compile command, so
+    a clean clone's virtual environment and the checkout's must not share a build directory (each
+    would rebuild every object the other built); one installation keeps one directory."""
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "_torch_dir", lambda: Path("/a/.venv/lib/python3/site-packages/torch"))
+    first = cpu.build_dir("swiftspec_cpu")
+    assert cpu.build_dir("swiftspec_cpu") == first and first.is_dir() and first.parent == tmp_path / "build"
+    monkeypatch.setattr(cpu, "_torch_dir", lambda: Path("/b/.venv/lib/python3/site-packages/torch"))
+    assert cpu.build_dir("swiftspec_cpu") != first
+
+
 def test_cpu_arch_override_names_its_own_module(monkeypatch):
     """SWIFTSPEC_CPU_ARCH builds for another -march in a module and directory of its own (never
     mixed with the native build); a value that is not an architecture name is refused."""
