@@ -100,6 +100,9 @@ def test_each_torch_installation_builds_in_a_directory_of_its_own(monkeypatch, t
     monkeypatch.setattr(cpu, "_torch_dir", lambda: Path("/a/.venv/lib/python3/site-packages/torch"))
     first = cpu.build_dir("swiftspec_cpu")
     assert cpu.build_dir("swiftspec_cpu") == first and first.is_dir() and first.parent == tmp_path / "build"
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path.parent / f"{tmp_path.name}-link"))
+    assert cpu.build_dir("swiftspec_cpu") == first  # the commands name one path, however the cache is reached
     monkeypatch.setattr(cpu, "_torch_dir", lambda: Path("/b/.venv/lib/python3/site-packages/torch"))
     assert cpu.build_dir("swiftspec_cpu") != first
 
