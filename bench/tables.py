@@ -254,7 +254,8 @@ def _attacks(a: dict) -> str:
 # the peers' rows in a summary table
 PEERS = {"llama-cpp": "llama.cpp on the same GGUF", "llama-cpp-spec": "llama.cpp speculative (the draft's GGUF, chains of 4)",
          "hf": "transformers `generate`", "hf-compile": "transformers, static cache + `torch.compile`",
-         "hf-assisted": "transformers assisted generation"}
+         "hf-assisted": "transformers assisted generation",
+         "llama-cpp-lookup": "llama.cpp prompt lookup on the same GGUF"}
 
 
 def _load(name: str, results: Path = RESULTS):
@@ -295,19 +296,20 @@ def _what_ran(system: str, rs: list[dict]) -> str:
     """What a system of a ``swiftspec bench`` record ran, from its records' engine shape."""
     eng = rs[0].get("engine")
     if eng is None:
-        return PEERS.get(system, system)
+        peer = rs[0].get("peer")  # the proposer's parameters, where the peer has any
+        return PEERS.get(system, system) + (f" ({', '.join(f'{k} {v}' for k, v in peer.items())})" if peer else "")
     mode = eng["mode"]
     parts = [{"autoregressive": "target alone", "ngram": "`ngram` (prompt lookup)"}.get(mode, f"`{mode}`")]
     if mode in ("serial", "async", "colocated"):
         parts.append(f"bs {eng['bs']}" + (f", d {eng['d']}" if eng.get("d") else ""))
-    if eng.get("draft_payback") and mode == "serial":  # the gate acts in serial only
+    if eng.get("draft_payback") and mode in ("serial", "hybrid"):  # the modes the gate acts in
         parts.append("payback gate")
     if eng.get("draft_sms"):
         parts.append(f"draft on {eng['draft_sms']} SMs")
     if eng.get("target_tp", 1) > 1:
         parts.append(f"TP {eng['target_tp']}")
-    alone = sum(r.get("ran") == "autoregressive" for r in rs)
-    if alone and mode != "autoregressive":
+    alone = sum(r.get("ran") in ("autoregressive", "ngram") and r.get("ran") != mode for r in rs)  # the gate's
+    if alone:
         parts.append(f"target alone on {alone} of {len(rs)} requests")
     return ", ".join(parts)
 

@@ -381,6 +381,37 @@ def test_llama_cpp_speculative_peer_is_greedy_lossless(tmp_path):
     assert spec.generate(long, 8)[0] == plain.generate(long, 8)[0]
 
 
+def test_llama_cpp_prompt_lookup_peer(tmp_path):
+    """The llama-cpp-lookup peer (llama-cpp-python's prompt lookup as its draft_model hook) gives
+    llama.cpp's own greedy tokens; on text that repeats its context (the prompt followed by one
+    turn of the model's own greedy text) its proposals are accepted, so each target forward
+    yields more than one token; its parameters go into the bench's system and its records render."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (a test extra) is not installed")
+    from swiftspec.benchmark import peers
+    from swiftspec.benchmark.systems import SYSTEMS
+    from tests.test_loader import make_gguf
+
+    path = tmp_path / "tiny.gguf"
+    make_gguf(path, seed=3)
+    plain = peers.LlamaCppPeer(path, threads=1, n_ctx=768)
+    first, _ = plain.generate([5, 9, 77, 3, 41], 32)
+    prompt = [5, 9, 77, 3, 41] + first  # the continuation now repeats text the prompt holds
+    ref, _ = plain.generate(prompt, 24)
+    look = peers.LlamaCppPeer(path, threads=1, n_ctx=768, lookup=True)
+    assert look.system == "llama-cpp-lookup" and "llama-cpp-lookup" in SYSTEMS
+    assert look.settings == {"max_ngram_size": peers.LOOKUP_MAX_NGRAM, "num_pred_tokens": peers.LOOKUP_TOKENS}
+    out, m = look.generate(prompt, 24)
+    assert out == ref and len(out) == 24
+    assert m.compression_ratio > 1.0, "prompt lookup must propose accepted tokens on repeating text"
+    assert look.generate([5, 9, 77, 3, 41], 8)[0] == first[:8]  # a reset context: no state kept between requests
+    with pytest.raises(ValueError, match="not both"):
+        peers.LlamaCppPeer(path, threads=1, n_ctx=768, draft_gguf=path, lookup=True)
+    rec = {"system": "llama-cpp-lookup", "peer": look.settings}
+    assert _tables()._what_ran("llama-cpp-lookup", [rec]) == (
+        f"llama.cpp prompt lookup on the same GGUF (max_ngram_size {peers.LOOKUP_MAX_NGRAM}, "
+        f"num_pred_tokens {peers.LOOKUP_TOKENS})")
+
+
 def test_setup_builds_the_llama_cpp_peer_as_the_peer_expects(monkeypatch):
     """scripts/setup_env.sh builds llama-cpp-python with the CMake arguments the peer names in its
     error (llama.cpp's AMX matmul compiled out), and the installed build, if any, has no AMX."""

@@ -13,6 +13,7 @@ from swiftspec.spec_decode import target_loops
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
 from swiftspec.spec_decode.hybrid import CHAIN_WEIGHT, hybrid_subgraph, merge_chain, run_hybrid
 from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
+from swiftspec.spec_decode.payback import PaybackGate
 from swiftspec.spec_decode.scheduler import Request
 from swiftspec.spec_decode.target_state import TargetState, ancestor_mask
 from swiftspec.spec_decode.tree import Subgraph
@@ -235,10 +236,36 @@ def test_bad_hybrid_rows_raise(bad):
         EngineConfig(mode="hybrid", hybrid_rows=bad)
 
 
-def test_hybrid_refuses_the_payback_gate():
-    with pytest.raises(ValueError, match="draft_payback"):
-        EngineConfig(mode="hybrid", draft_payback=True)
-    EngineConfig(mode="hybrid", draft_payback=False)
+def _gate(speculate: bool) -> PaybackGate:
+    """A payback gate that speculates (nothing measured yet) or, with a draft prefill measured at
+    a million times the target's, finds that the draft never pays back."""
+    gate = PaybackGate()
+    if not speculate:
+        gate.observe_prefill(1.0, 1.0)  # a worker's first prefill: not used
+        gate.observe_prefill(1e-3, 1e3)
+    return gate
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_payback_gate_falls_back_to_the_ngram_chain(models, prompts, references, tiny_draft_dir, speculate):
+    """hybrid behind serial's payback gate: where the draft does not pay, the draft never runs and
+    the target verifies prompt-lookup chains alone (ran "ngram", chain tokens accepted); where it
+    does, the draft prefills after the target's one step alone; greedy output is the target's either way."""
+    runner = ModelRunner(str(tiny_draft_dir), capacity=1024)
+    draft = DraftState(RunnerHandle("draft", runner, []), TreeParams(bs=4, w=2, topk=2))
+    draft.debug = True
+    gate = _gate(speculate)
+    out, emit = _collect()
+    st = run_hybrid(draft, models["cycle"], _req(prompts["cycle"]), emit, _ngram(3), 4, gate=gate)
+    assert out == references["cycle"]
+    if speculate:
+        assert not st.ran and runner.forwards > 0 and st.chain_rows > 0
+        assert gate.sigma is not None, "a speculating request measures its speed for the gate"
+    else:
+        assert st.ran == "ngram" and "would not pay back" in st.ran_reason
+        assert runner.forwards == 0, "the draft must not run where it does not pay"
+        assert sum(st.accepted) > 0, "the fallback verifies the n-gram chains, not one token a step"
+    EngineConfig(mode="hybrid", draft_payback=True)  # the gate is the hybrid mode's too
 
 
 def test_config_and_worker_rows():

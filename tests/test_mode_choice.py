@@ -65,6 +65,25 @@ def test_ngram_priors_replay_the_proposer():
     assert tps == 1.0 and mix == {1: 1.0}  # nothing repeats: plain one-row steps
 
 
+def test_hybrid_priors_replay_both_chains():
+    """A hybrid verification accepts the longer of the draft chain's rank-0 run and the n-gram
+    chain's matching run, then the target's token; its rows count both chains, less the rows
+    they provably share (both the target's token)."""
+    prompt, out = [1, 2, 3, 4, 1, 2], [3, 4, 1, 2, 9]
+    texts = [(prompt, out, [None, 5, 0, 0, 0])]
+    # root 3: draft misses (rank 5), n-gram "2 3" -> 4 right: 4 + bonus 1, 3 rows (nothing shared);
+    # root 1: draft 2 right, n-gram "4 1" -> 2 right (the same row): 2 + bonus 9, 2 rows
+    tps, mix = mc.hybrid_tokens_per_step(texts, 1, NgramParams(2, 2, 1))
+    assert tps == 2.0 and mix == {2: 0.5, 3: 0.5}
+    assert mc.tree_tokens_per_step([texts[0][2]], (1,)) == 4 / 3  # the draft chain alone: 3 verifications
+    # a deeper draft chain than the n-gram's: root 3: draft 4 1, n-gram 4 (shared): 3 tokens, 3 rows;
+    # root 2: n-gram "1 2" -> 3 wrong, draft 9 right: the end, 4 rows (1 + 2 draft + 1 chain)
+    tps, mix = mc.hybrid_tokens_per_step([(prompt, out, [None, 0, 0, 0, 0])], 2, NgramParams(2, 2, 1))
+    assert tps == 2.0 and mix == {3: 0.5, 4: 0.5}
+    with pytest.raises(ValueError, match="depth"):
+        mc.hybrid_tokens_per_step(texts, 0, NgramParams(2, 2, 1))
+
+
 def test_packaged_priors():
     by = {c.label: c for c in mc.priors()}
     assert by["autoregressive"].tokens_per_step == 1.0
@@ -75,6 +94,13 @@ def test_packaged_priors():
         c = by[f"ngram {k}"]
         assert 1.0 < c.tokens_per_step < 1 + k and abs(sum(c.rows_mix.values()) - 1) < 1e-9
         assert max(c.rows_mix) == k + 1 and c.draft_forwards == 0
+    for d, k in mc.HYBRID_SHAPES:  # each verification accepts the longer of both chains' runs
+        c = by[f"hybrid d {d} ngram {k}"]
+        draft_alone = by[f"serial bs {d + 1} d {d}{' chain' if d > 1 else ''}"]
+        assert c.tokens_per_step > max(draft_alone.tokens_per_step, by[f"ngram {k}"].tokens_per_step)
+        assert c.tokens_per_step < 1 + max(d, k) and abs(sum(c.rows_mix.values()) - 1) < 1e-9
+        assert min(c.rows_mix) == 1 + d and max(c.rows_mix) <= 1 + d + k <= mc.HYBRID_ROWS
+        assert c.draft_forwards == d and c.fields["hybrid_rows"] == mc.HYBRID_ROWS
 
 
 def _costs(target_ms, draft_ms):
@@ -85,6 +111,10 @@ def _costs(target_ms, draft_ms):
     ((10, 20, 30, 40), 5, "autoregressive"),  # a row costs as much as a step: nothing pays
     ((10, 10.5, 11, 11.5), 20, "ngram"),  # rows nearly free, the draft dear: proposals without it
     ((10, 10.5, 11, 11.5), 1, "serial"),  # rows nearly free, the draft cheap: the deepest chain
+    # rows nearly free, the draft at 2/5 of a step: one draft forward a verification beside n-gram
+    # rows beats both a deeper draft chain (dearer) and n-gram alone (fewer tokens)
+    ((10, 10.2, 10.4, 10.6), 4, "hybrid"),
+    ((10, 10.2, 10.4, 10.6), 6, "ngram"),  # the draft dearer still: hybrid loses to n-gram alone
 ])
 def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
     monkeypatch.setattr(mode_selection, "_numa_nodes", lambda: 1)
@@ -98,6 +128,11 @@ def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
     if want == "serial":
         assert fields == {"bs": 4, "d": 3, "w": 1, "topk": 1}
         assert mode_selection.choose_mode(config.EngineConfig(bs=6), True, None, 0, _costs(target_ms, draft_ms))[2] == {}
+    if want == "hybrid":
+        assert fields == {"bs": 2, "d": 1, "w": 1, "topk": 1, "ngram_tokens": 2, "hybrid_rows": mc.HYBRID_ROWS}
+        for own in ({"bs": 6}, {"ngram_tokens": 3}, {"hybrid_rows": 6}):  # a shape the configuration sets wins
+            assert mode_selection.choose_mode(config.EngineConfig(**own), True, None, 0,
+                                              _costs(target_ms, draft_ms))[2] == {}
     if want == "ngram":
         assert fields == {"ngram_tokens": top.fields["ngram_tokens"]}
         assert mode_selection.choose_mode(config.EngineConfig(ngram_tokens=2), True, None, 0,
@@ -172,7 +207,7 @@ def test_engine_auto_reports_the_measured_choice(pair, measuring):
                 cache_dir=measuring.parent / "cache") as e:
         out = e.generate([5, 9, 77, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     assert e.mode_reason.startswith("auto, measured here: target 1/2/3/4 rows")
-    assert out.metrics.mode_reason.startswith(e.mode_reason) and e.config.mode in ("autoregressive", "ngram", "serial")
+    assert out.metrics.mode_reason.startswith(e.mode_reason) and e.config.mode in ("autoregressive", "ngram", "serial", "hybrid")
     assert list(measuring.glob("*.steps.json"))
 
 

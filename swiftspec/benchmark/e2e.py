@@ -7,9 +7,10 @@ Systems (``--systems``): ``swiftspec-async`` (SwiftSpec), ``swiftspec-serial`` (
 (the engine as the ``--config`` written by ``swiftspec profile`` sets it up: mode, cores, tree
 shape, ``d``; with several ``--config`` files one system per file, ``swiftspec-profiled[<file
 stem>]``, so configurations are compared side by side in one run), ``llama-cpp`` (llama.cpp on
-the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF) and
+the target's GGUF, when ``llama-cpp-python`` is installed and the target came from a GGUF),
 ``llama-cpp-spec`` (the same with llama-cpp-python's speculative decoding, the draft's GGUF
-proposing chains of 4 tokens).
+proposing chains of 4 tokens) and ``llama-cpp-lookup`` (the same with llama-cpp-python's prompt
+lookup decoding, no draft model; its parameters in each record's ``peer``).
 ``swiftspec-async-nokernels``, ``swiftspec-serial-nokernels`` and ``autoregressive-nokernels`` are
 the same engines with the compiled kernels off (PyTorch ops and gloo only): the kernel ablation.
 
@@ -184,7 +185,8 @@ def _request_record(s: str, out: tuple, p: float, ds: str, ranks, dtype: str, de
             "reference": ref, "ran": m.mode,
             "draft_stalls": m.draft.get("stall_expansions"),
             "target_wait_s": m.target.get("wait_s"), **busy_record(m), **pipeline_record(m),
-            **({"engine": started[s].shape} if isinstance(started.get(s), EngineSystem) else {})}
+            **({"engine": started[s].shape} if isinstance(started.get(s), EngineSystem) else {}),
+            **({"peer": started[s].settings} if getattr(started.get(s), "settings", None) else {})}
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -10,6 +10,10 @@
 - ``llama-cpp-spec``: the same with llama-cpp-python's speculative decoding (its ``draft_model``
   hook): the draft's own GGUF in a second llama.cpp context proposes ``draft_tokens`` greedy tokens,
   the target scores them in one batch and keeps the matching prefix plus one (a chain, no tree).
+- ``llama-cpp-lookup``: the same hook fed by llama-cpp-python's prompt-lookup decoding
+  (``LlamaPromptLookupDecoding``): no draft model, the tokens that followed an earlier occurrence
+  of the text's last ``max_ngram_size`` down to 1 tokens, ``num_pred_tokens`` of them
+  (:data:`LOOKUP_MAX_NGRAM`, :data:`LOOKUP_TOKENS`): llama.cpp's counterpart of ``mode="ngram"``.
 
 Each peer's ``generate(prompt_ids, max_tokens)`` returns a record with the same metric
 definitions as SwiftSpec's (decode tokens/s excludes the first token; TBT spreads tokens that
@@ -166,16 +170,54 @@ class _GgufDraft:
         return np.array(out, dtype=np.intc)
 
 
-class LlamaCppPeer:
-    """llama.cpp (``llama-cpp-python``) on a GGUF file, greedy: the target alone, or with
-    ``draft_gguf`` its speculative decoding (draft model chain of ``draft_tokens``)."""
+# llama-cpp-lookup's prompt lookup: the longest suffix it looks up, as our ngram mode's
+# (EngineConfig.ngram_max; llama-cpp-python then tries every shorter one down to a single token),
+# and the tokens it proposes per target forward: 3, the most the auto cost model weighs for our
+# ngram mode (swiftspec.spec_decode.mode_choice.NGRAM_TOKENS), since on a CPU each proposed token
+# is one more row of the target's batch and costs time even where it is rejected (llama-cpp-python's
+# default of 10 is sized for a GPU, where extra rows are nearly free)
+LOOKUP_MAX_NGRAM = 4
+LOOKUP_TOKENS = 3
 
-    def __init__(self, gguf_path, threads: int, n_ctx: int = 4096, draft_gguf=None, draft_tokens: int = 4):
+
+class _Counted:
+    """A llama-cpp-python draft model that counts its calls (one per target forward)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, input_ids, /, **kwargs):
+        self.calls += 1
+        return self.inner(input_ids, **kwargs)
+
+
+class LlamaCppPeer:
+    """llama.cpp (``llama-cpp-python``) on a GGUF file, greedy: the target alone, with
+    ``draft_gguf`` its speculative decoding (draft model chain of ``draft_tokens``), or with
+    ``lookup`` its prompt-lookup decoding (:data:`LOOKUP_MAX_NGRAM`, :data:`LOOKUP_TOKENS`).
+    ``settings``: the proposer's parameters, recorded with every request (``{}`` for the target alone).
+
+    Raises:
+        ValueError: both ``draft_gguf`` and ``lookup``.
+    """
+
+    def __init__(self, gguf_path, threads: int, n_ctx: int = 4096, draft_gguf=None, draft_tokens: int = 4,
+                 lookup: bool = False):
         llama_cpp = _llama_cpp()
+        if draft_gguf is not None and lookup:
+            raise ValueError("LlamaCppPeer: a draft GGUF or prompt lookup, not both")
         self.draft = None
+        self.settings: dict = {}
         if draft_gguf is not None:  # llama-cpp-python calls draft_model(input_ids) -> draft tokens
             self.draft = _GgufDraft(draft_gguf, threads, n_ctx, draft_tokens)
-        self.system = "llama-cpp-spec" if draft_gguf is not None else "llama-cpp"
+            self.settings = {"draft_tokens": draft_tokens}
+        elif lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            self.draft = _Counted(LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_MAX_NGRAM,
+                                                            num_pred_tokens=LOOKUP_TOKENS))
+            self.settings = {"max_ngram_size": LOOKUP_MAX_NGRAM, "num_pred_tokens": LOOKUP_TOKENS}
+        self.system = "llama-cpp-spec" if draft_gguf is not None else "llama-cpp-lookup" if lookup else "llama-cpp"
         # With a draft model llama-cpp-python keeps the logits of every position, but sizes its
         # score buffer from the logits_all argument (n_batch rows when False): a prompt longer than
         # n_batch (512) then fails to copy its second batch. Asking for logits_all sizes it n_ctx.
@@ -189,12 +231,13 @@ class LlamaCppPeer:
 
         Returns:
             ``(token ids, RequestMetrics)``: times from each token's arrival (seconds); with a draft
-            the compression ratio is generated tokens per target forward (one forward follows each
-            draft call), else 1.
+            or prompt lookup the compression ratio is generated tokens per target forward (one forward follows each
+            proposer call), else 1.
         """
         self.llm.reset()
-        if self.draft is not None:
+        if isinstance(self.draft, _GgufDraft):
             self.draft.llm.reset()
+        if self.draft is not None:
             self.draft.calls = 0
         events, out = [], []
         t0 = time.perf_counter()
@@ -204,8 +247,10 @@ class LlamaCppPeer:
             if tok in eos_ids or len(out) >= max_tokens:
                 break
         m = RequestMetrics.from_events(self.system, len(prompt_ids), t0, events, [0] * max(len(out) - 1, 1), None)
-        # each draft call is followed by one target forward over its tokens
-        m.compression_ratio = (len(out) - 1) / max(self.draft.calls - 1, 1) if self.draft is not None else 1.0
+        # llama-cpp-python calls the proposer after every target forward but the last (the generator
+        # is closed at the last token), and each call is followed by one forward over its tokens: the
+        # calls count the decode forwards (the prefill's call precedes the first)
+        m.compression_ratio = (len(out) - 1) / max(self.draft.calls, 1) if self.draft is not None else 1.0
         return out, m
 
     def close(self):

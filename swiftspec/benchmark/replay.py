@@ -18,7 +18,7 @@ from pathlib import Path
 # the default pair's trace, recorded with `swiftspec bench --record-trace` (bench/LOG.md: "Replaying the default pair's acceptance")
 PACKAGED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "default-pair.json"
 # systems that cannot run on random weights with a replayed trace
-NOT_REPLAYABLE = ("hf-assisted", "llama-cpp", "llama-cpp-spec", "pipeline-autoregressive", "pipedec", "pipeinfer")
+NOT_REPLAYABLE = ("hf-assisted", "llama-cpp", "llama-cpp-spec", "llama-cpp-lookup", "pipeline-autoregressive", "pipedec", "pipeinfer")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ SYSTEMS = ("swiftspec-async", "swiftspec-async-nokernels", "swiftspec-profiled",
            "swiftspec-colocated",
            "swiftspec-serial-nokernels", "swiftspec-serial-dequantized", "autoregressive", "autoregressive-nokernels",
            "autoregressive-dequantized", "hf", "hf-compile", "hf-assisted", "llama-cpp", "llama-cpp-spec",
-           "pipeline-autoregressive", "pipedec", "pipeinfer")
+           "llama-cpp-lookup", "pipeline-autoregressive", "pipedec", "pipeinfer")
 ENGINE_MODES = {"swiftspec-async": "async", "swiftspec-profiled": "async", "swiftspec-serial": "serial",
                 "swiftspec-colocated": "colocated",
                 "autoregressive": "autoregressive", "swiftspec-async-nokernels": "async",
@@ -127,7 +127,7 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
                       max_cache_len=n_ctx)
     if system == "hf-assisted":
         return HFPeer(target_dir, draft_dir, dtype, threads=len(cores), device=args.device)
-    if system in ("llama-cpp", "llama-cpp-spec"):
+    if system in ("llama-cpp", "llama-cpp-spec", "llama-cpp-lookup"):
         gguf, draft = args.target_gguf, args.draft_gguf
         if args.target is None or args.draft is None:
             from swiftspec.weights.loader import default_gguf_paths
@@ -139,6 +139,8 @@ def start_system(system: str, target_dir, draft_dir, dtype: str, cores: list[int
             raise RuntimeError(f"{system} needs the target's GGUF file (--target-gguf)")
         if system == "llama-cpp":
             return LlamaCppPeer(gguf, threads=len(cores), n_ctx=n_ctx)
+        if system == "llama-cpp-lookup":
+            return LlamaCppPeer(gguf, threads=len(cores), n_ctx=n_ctx, lookup=True)
         if draft is None or not Path(draft).exists():
             raise RuntimeError("llama-cpp-spec needs the draft's GGUF file (--draft-gguf)")
         return LlamaCppPeer(gguf, threads=len(cores), n_ctx=n_ctx, draft_gguf=draft, draft_tokens=4)

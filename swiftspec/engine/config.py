@@ -101,10 +101,10 @@ class EngineConfig:
             run on the CUDA LL communicator (otherwise steps run eagerly;
             :func:`swiftspec.distributed.parallel.graph_ban`); ignored on CPU. TP > 1 capture not yet run on
             GPU hardware.
-        draft_payback: serial mode: per request, prefill the draft only where that pays back
-            within the request's token budget, else run it on the target alone
+        draft_payback: serial and hybrid modes: per request, prefill the draft only where that
+            pays back within the request's token budget, else run it on the target alone
             (:mod:`swiftspec.spec_decode.payback`; the request's ``metrics.mode`` then says
-            "autoregressive"); None (default) = on when ``mode`` is "auto", off when a mode is
+            "autoregressive", or "ngram" for hybrid, which keeps its prompt-lookup chains); None (default) = on when ``mode`` is "auto", off when a mode is
             configured. Changes speed, never the output.
         draft_sms: colocated mode on CUDA: confine the draft to this many streaming
             multiprocessors (SMs) with a CUDA green context (:func:`swiftspec.model_executor.sm_partition.green_context_stream`;

@@ -57,7 +57,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
     Before a profile exists, with the target on its GGUF blocks and every core on one bus, it
     weighs the modes by ``step_costs`` where given (:class:`swiftspec.model_executor.step_costs.StepCosts`:
     this machine's target and draft forwards, timed by the kernel self-tuning): the most expected
-    tokens/s among ``autoregressive``, ``ngram`` and shallow ``serial`` trees with the packaged
+    tokens/s among ``autoregressive``, ``ngram``, shallow ``serial`` trees and ``hybrid`` (a shallow
+    draft chain beside the n-gram chain) with the packaged
     acceptance trace's priors (:mod:`swiftspec.spec_decode.mode_choice`; the reason starts
     "auto, measured here" and names the costs). Otherwise (``SWIFTSPEC_KERNEL_TUNING=0``, float
     weights, kernels off) it applies these rules, each the mode measured fastest on that kind of
@@ -94,7 +95,8 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
     Returns ``(mode, reason, tree)``: ``tree`` holds the tree-shape fields (``bs``, ``w``,
     ``topk``, ``d``) measured with an automatic mode (the profile's, or :data:`SHALLOW_TREE`),
     ``{}`` when the mode was configured or the configuration sets its own shape; a measured
-    ``ngram`` choice sets ``ngram_tokens`` unless the configuration sets it.
+    ``ngram`` choice sets ``ngram_tokens`` unless the configuration sets it, a measured ``hybrid``
+    choice its tree, ``ngram_tokens`` and ``hybrid_rows`` unless the configuration sets any of them.
     """
     if config.mode != "auto":
         return config.mode, "as configured", {}
@@ -143,7 +145,8 @@ def _measured_mode(config: EngineConfig, costs, own_tree: bool) -> tuple[str, st
     cands = mode_choice.priors(ngram=NgramParams(config.ngram_min, config.ngram_max, 1))
     top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s[1])
     why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s[1], costs.variant)
-    own = own_tree if top.mode == "serial" else config.ngram_tokens != EngineConfig().ngram_tokens
+    own_ngram = config.ngram_tokens != EngineConfig().ngram_tokens or config.hybrid_rows != EngineConfig().hybrid_rows
+    own = {"serial": own_tree, "ngram": own_ngram, "hybrid": own_tree or own_ngram}.get(top.mode, False)
     return top.mode, why, {} if own else dict(top.fields)
 
 

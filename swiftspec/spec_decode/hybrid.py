@@ -30,14 +30,17 @@ and the next expansion is a catch-up forward over all of them, ending at the new
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from swiftspec.model_executor.sampling import Sampler
 from swiftspec.spec_decode.draft_state import DraftState
+from swiftspec.spec_decode.payback import PaybackGate
 from swiftspec.spec_decode.scheduler import Request, StopChecker, TargetStats, prefill_both, verify_step
+from swiftspec.spec_decode.target_loops import chain_steps
 from swiftspec.spec_decode.target_state import TargetState
 from swiftspec.spec_decode.tree import Subgraph
-from swiftspec.spec_decode.tree_loops import SERIAL_D
+from swiftspec.spec_decode.tree_loops import SERIAL_D, gated_start
 
 # Subgraph weight of a chain row the draft did not propose (no draft probability).
 CHAIN_WEIGHT = float("-inf")
@@ -109,7 +112,7 @@ def hybrid_subgraph(subgraph_of: Callable[[int], Subgraph], chain: list[int], bs
 
 
 def run_hybrid(draft: DraftState, target: TargetState, req: Request, emit, make_proposer: Callable,
-               max_rows: int, stop: StopChecker | None = None) -> TargetStats:
+               max_rows: int, stop: StopChecker | None = None, gate: PaybackGate | None = None) -> TargetStats:
     """Serial's loop (``d`` expansions, fill, verify, re-root; ``d`` = ``req.d`` or
     :data:`~swiftspec.spec_decode.tree_loops.SERIAL_D`) verifying the draft's subgraph and the
     proposer's chain together (:func:`hybrid_subgraph`, at most ``max_rows`` rows).
@@ -120,13 +123,27 @@ def run_hybrid(draft: DraftState, target: TargetState, req: Request, emit, make_
     A replayed acceptance trace records the draft's candidates only: with one, no chain is added
     (the loop is serial's). Returns the ``TargetStats``, with ``chain_rows`` (rows the chain added
     beside the draft's subgraph) and ``chain_accepted`` (those accepted).
+
+    With a ``gate`` (not for replayed requests) the request starts as serial's behind the payback
+    gate (:func:`swiftspec.spec_decode.tree_loops.gated_start`); where the draft's prefill would
+    not pay back, the draft never runs and the target verifies the proposer's chains alone
+    (:func:`swiftspec.spec_decode.target_loops.chain_steps`, ``stats.ran`` = "ngram"): the
+    fallback keeps the proposals that cost no draft forward, not only one token a step.
     """
     d = req.d if req.d is not None else SERIAL_D
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
-    if not prefill_both(draft, target, req, sampler, stop, emit):
+    gated = gate is not None and req.replay is None
+
+    def alone(text):  # the target verifying the proposer's chains, no draft
+        chain_steps(target, make_proposer(text), sampler, stop, emit, stats)
+
+    started = (gated_start(draft, target, req, sampler, stop, emit, stats, gate, ("ngram", alone)) if gated
+               else prefill_both(draft, target, req, sampler, stop, emit))
+    if not started:
         stats.reason = stop.reason
         return stats
-    proposer = make_proposer(req.prompt_ids + [draft.tree.root_token])
+    t_spec, n_spec = time.perf_counter(), len(stop.ids)
+    proposer = make_proposer(list(req.prompt_ids) + stop.ids)  # the text so far, the root last
     bs = draft.params.bs
     while True:
         for _ in range(d):
@@ -145,6 +162,8 @@ def run_hybrid(draft: DraftState, target: TargetState, req: Request, emit, make_
             break
         proposer.extend(verified)
         draft.reroot(verified)
+    if gated:
+        gate.observe_decode(stats.step_s, len(stop.ids) - n_spec, time.perf_counter() - t_spec)
     stats.reason = stop.reason
     return stats
 

@@ -10,11 +10,13 @@ machine (:class:`swiftspec.model_executor.step_costs.StepCosts`: seconds of a ta
 :func:`priors`, replayed from the acceptance trace the package ships (the default pair's greedy
 tokens on the evaluation prompts and the draft's rank of each, :mod:`swiftspec.spec_decode.acceptance`).
 
-Candidates: ``autoregressive``, ``ngram`` proposing 1-3 tokens, and ``serial`` with the draft trees
+Candidates: ``autoregressive``, ``ngram`` proposing 1-3 tokens, ``serial`` with the draft trees
 of :data:`SERIAL_TREES`: shapes whose subgraph is fixed (a chain of the draft's first choices, or
-the root's two best children), so the trace's ranks give their acceptance exactly. Left out: the
-draft's prefill per request (the payback gate of :mod:`swiftspec.spec_decode.payback` decides it
-per request) and ``async`` (a layout question: one memory bus per group).
+the root's two best children), so the trace's ranks give their acceptance exactly, and ``hybrid``
+with the shapes of :data:`HYBRID_SHAPES`: a chain of the draft's first choices and the n-gram
+chain hung from the same root (:func:`hybrid_tokens_per_step`). Left out: the draft's prefill per
+request (the payback gate of :mod:`swiftspec.spec_decode.payback` decides it per request) and
+``async`` (a layout question: one memory bus per group).
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ SERIAL_TREES = (
     ("bs 4 d 3 chain", {"bs": 4, "d": 3, "w": 1, "topk": 1}, (1, 1, 1)),
 )
 NGRAM_TOKENS = (1, 2, 3)
+# hybrid shapes weighed: (draft chain depth d, n-gram tokens k), at most 1 + d + k = HYBRID_ROWS
+# rows (the measured target costs reach 4 rows), so the row budget never cuts either chain
+HYBRID_SHAPES = ((1, 1), (1, 2), (2, 1))
+HYBRID_ROWS = 4
 # a candidate later in the list (more rows or draft forwards) replaces the current pick only when
 # it is expected to be this much faster: the estimate leaves out attention, norms and host time,
 # which grow with the rows and forwards, and its timings vary by a few percent between starts
@@ -48,12 +54,13 @@ class Candidate:
     """One mode and shape with its acceptance prior.
 
     Attributes:
-        mode: "autoregressive", "ngram" or "serial".
+        mode: "autoregressive", "ngram", "serial" or "hybrid".
         label: how reasons name it ("serial bs 2 d 1").
-        fields: the EngineConfig fields it sets (tree shape, ``ngram_tokens``).
+        fields: the EngineConfig fields it sets (tree shape, ``ngram_tokens``, ``hybrid_rows``).
         tokens_per_step: expected tokens per target verification (>= 1).
         rows_mix: target rows per verification -> fraction of verifications with that many
-            (ngram verifies the root alone where the text offers no proposal).
+            (ngram verifies the root alone where the text offers no proposal; hybrid's varies
+            with the n-gram proposal and the rows it shares with the draft chain).
         draft_forwards: draft forwards of one row per verification.
     """
 
@@ -111,11 +118,50 @@ def ngram_tokens_per_step(texts: list[tuple[list[int], list[int]]], params: Ngra
     return tokens / steps, {r: n / steps for r, n in sorted(rows.items())}
 
 
+def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | None]]], depth: int,
+                           params: NgramParams) -> tuple[float, dict[int, float]]:
+    """Expected tokens per verification of ``hybrid`` with a draft chain of its first choices
+    ``depth`` deep and prompt-lookup proposals (``params.tokens`` at most) hung from the same root
+    (:func:`swiftspec.spec_decode.hybrid.merge_chain`), and the fraction of verifications per
+    target rows, replayed greedily over ``(prompt_ids, tokens, ranks)`` triples (``tokens[0]``:
+    the prefill's; ``ranks[i]``: the draft's rank of ``tokens[i]``, None past the ranks kept).
+
+    Exact for the tokens: the walk descends while the target's token is a child, so a verification
+    accepts the longer of the draft chain's run of rank-0 tokens (up to ``depth``) and the n-gram
+    chain's run of matching tokens, then the target's own token. The rows are an upper bound: the
+    two chains share a row where their tokens coincide, which the trace shows only where both are
+    the target's token (a wrong draft token is not recorded), so ``1 + depth + proposed - shared``.
+    Raises ValueError without positions to decode or with ``depth`` below 1."""
+    if depth < 1:
+        raise ValueError(f"a hybrid draft chain needs depth >= 1, got {depth}")
+    steps = tokens = 0
+    rows: dict[int, int] = {}
+    for prompt, out, ranks in prompts:
+        proposer, i = NgramProposer(params, list(prompt) + out[:1]), 0
+        while i + 1 < len(out):
+            prop = proposer.propose()
+            a = b = 0  # runs of the draft chain and the n-gram chain along the target's tokens
+            while a < depth and i + 1 + a < len(out) and ranks[i + 1 + a] == 0:
+                a += 1
+            while b < len(prop) and i + 1 + b < len(out) and prop[b] == out[i + 1 + b]:
+                b += 1
+            step = min(max(a, b) + 1, len(out) - 1 - i)
+            proposer.extend(out[i + 1:i + 1 + step])
+            r = 1 + depth + len(prop) - min(a, b)
+            rows[r] = rows.get(r, 0) + 1
+            steps, tokens, i = steps + 1, tokens + step, i + step
+    if not steps:
+        raise ValueError("no positions to decode in the recorded tokens")
+    return tokens / steps, {r: n / steps for r, n in sorted(rows.items())}
+
+
 def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
     """The candidates with their priors from an acceptance trace ``doc``
     (:func:`swiftspec.spec_decode.acceptance.load`): autoregressive (1 token a 1-row step), ngram
     with ``ngram``'s lookup lengths proposing each of :data:`NGRAM_TOKENS` tokens, and serial with
-    each tree of :data:`SERIAL_TREES` (``d`` one-row draft forwards a verification)."""
+    each tree of :data:`SERIAL_TREES` (``d`` one-row draft forwards a verification), and hybrid with
+    each shape of :data:`HYBRID_SHAPES` (``d`` draft forwards a verification, counted at one row's
+    cost: the first after a re-root also catches up on the accepted chain tokens and the bonus)."""
     ranks = [p["ranks"] for p in doc["prompts"]]
     texts = [(p["prompt_ids"], p["tokens"]) for p in doc["prompts"]]
     out = [Candidate("autoregressive", "autoregressive", {}, 1.0, {1: 1.0})]
@@ -125,6 +171,11 @@ def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
     for label, fields, widths in SERIAL_TREES:
         out.append(Candidate("serial", f"serial {label}", dict(fields), tree_tokens_per_step(ranks, widths),
                              {fields["bs"]: 1.0}, fields["d"]))
+    triples = [(p["prompt_ids"], p["tokens"], p["ranks"]) for p in doc["prompts"]]
+    for d, k in HYBRID_SHAPES:
+        tps, mix = hybrid_tokens_per_step(triples, d, NgramParams(ngram.min_n, ngram.max_n, k))
+        fields = {"bs": d + 1, "d": d, "w": 1, "topk": 1, "ngram_tokens": k, "hybrid_rows": HYBRID_ROWS}
+        out.append(Candidate("hybrid", f"hybrid d {d} ngram {k}", fields, tps, mix, d))
     return out
 
 

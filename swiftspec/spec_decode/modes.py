@@ -149,27 +149,29 @@ class Serial(DecodeMode):
 class Hybrid(DecodeMode):
     """Serial's draft tree and the n-gram proposer's chain in one verification batch
     (:mod:`swiftspec.spec_decode.hybrid`): the chain hangs from the root beside the draft's
-    subgraph, at most ``hybrid_rows`` rows in all."""
+    subgraph, at most ``hybrid_rows`` rows in all; optionally behind serial's payback gate
+    (:class:`~swiftspec.spec_decode.payback.PaybackGate`), whose fallback is the n-gram chain alone."""
 
     name = "hybrid"
 
+    def __init__(self, spec, target, draft, peer=None):
+        super().__init__(spec, target, draft, peer)
+        self.gate = PaybackGate() if spec.config.draft_payback else None
+
     def run(self, req, emit, stop):
         """Serial's loop verifying the draft's subgraph and the prompt-lookup chain together
-        (:func:`~swiftspec.spec_decode.hybrid.run_hybrid`); returns its ``TargetStats``."""
+        (:func:`~swiftspec.spec_decode.hybrid.run_hybrid`; the payback gate may run the target
+        alone on the n-gram chains); returns its ``TargetStats``."""
         return hybrid.run_hybrid(self.draft, self.target, req, emit, lambda ids: NgramProposer(self.spec.ngram, ids),
-                                 self.spec.config.hybrid_rows, stop)
+                                 self.spec.config.hybrid_rows, stop, self.gate)
 
     @classmethod
     def check_config(cls, config) -> None:
         """``hybrid_rows`` (the most rows of one verification: root, draft nodes and chain rows)
-        must be an integer of at least 2 (the root and one proposal); ``draft_payback`` (serial's
-        gate) does not apply. Raises ValueError."""
+        must be an integer of at least 2 (the root and one proposal). Raises ValueError."""
         v = config.hybrid_rows
         if isinstance(v, bool) or not isinstance(v, int) or v < 2:
             raise ValueError(f"hybrid_rows must be an integer >= 2 (the root and one proposed row), got {v!r}")
-        if config.draft_payback:
-            raise ValueError("draft_payback gates the serial mode's draft prefill; the hybrid mode always runs "
-                             "its draft: leave draft_payback unset")
 
 
 @register_mode

@@ -51,10 +51,17 @@ def run_chain(target: TargetState, req: Request, emit, make_proposer: Callable,
     """
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     first = prefill_target(target, req, sampler, stop, emit)
-    proposer = make_proposer(req.prompt_ids + [first])
+    chain_steps(target, make_proposer(req.prompt_ids + [first]), sampler, stop, emit, stats)
+    stats.reason = stop.reason
+    return stats
+
+
+def chain_steps(target: TargetState, proposer, sampler: Sampler, stop: StopChecker, emit,
+                stats: TargetStats) -> None:
+    """:func:`run_chain`'s steps from the target's current root to the request's stop:
+    ``proposer`` (built over the text so far, the root last) proposes, the target verifies the
+    root and the chain, the proposer takes the verified tokens."""
     while not stop.reason:
         chain = [target.root] + proposer.propose()[:max(0, stop.remaining - 1)]
         sg = Subgraph(chain, list(range(-1, len(chain) - 1)), list(range(len(chain))))
         proposer.extend(verify_step(target, sg, sampler, stop, emit, stats, replayed=False))
-    stats.reason = stop.reason
-    return stats

@@ -7,6 +7,7 @@ another). Shared steps: :mod:`swiftspec.spec_decode.scheduler`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from swiftspec.model_executor.sampling import Sampler
 from swiftspec.spec_decode.draft_state import DraftState
@@ -38,7 +39,7 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
     d = req.d if req.d is not None else SERIAL_D
     sampler, stop, stats = Sampler(req.params), stop or StopChecker(req), TargetStats()
     gated = gate is not None and req.replay is None
-    started = (_gated_start(draft, target, req, sampler, stop, emit, stats, gate) if gated
+    started = (gated_start(draft, target, req, sampler, stop, emit, stats, gate) if gated
                else prefill_both(draft, target, req, sampler, stop, emit))
     if not started:
         stats.reason = stop.reason
@@ -59,11 +60,15 @@ def run_serial(draft: DraftState, target: TargetState, req: Request, emit,
     return stats
 
 
-def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: Sampler, stop: StopChecker,
-                 emit, stats: TargetStats, gate: PaybackGate) -> bool:
-    """run_serial's start with a gate: the target's prefill and one step alone (timed), the
-    gate's call, then either the rest of the request on the target alone (False) or the draft's
-    prefill of the prompt and the tokens before the root (True: speculation goes on)."""
+def gated_start(draft: DraftState, target: TargetState, req: Request, sampler: Sampler, stop: StopChecker,
+                emit, stats: TargetStats, gate: PaybackGate, alone: tuple[str, Callable] | None = None) -> bool:
+    """A speculative loop's start with a gate: the target's prefill and one step alone (timed),
+    the gate's call, then either the rest of the request on the target alone (False) or the
+    draft's prefill of the prompt and the tokens before the root (True: speculation goes on).
+
+    ``alone``: ``(mode, finish)``, how the target alone finishes a request the gate turns down:
+    ``finish(text)`` (``text``: the prompt and every token so far, the root last) runs it to its
+    stop, and ``stats.ran`` says ``mode``; default: one token a step ("autoregressive")."""
     t0 = time.perf_counter()
     res = target.prefill(req.prompt_ids, sampler)
     prefill_s = time.perf_counter() - t0  # the forward alone, as the draft's below
@@ -79,7 +84,9 @@ def _gated_start(draft: DraftState, target: TargetState, req: Request, sampler: 
     decision = gate.decide(prefill_s, stats.step_s, stop.remaining)
     stats.ran_reason = decision.reason
     if not decision.speculate:
-        stats.ran = "autoregressive"
+        stats.ran, finish = alone or ("autoregressive", None)
+        if finish is not None:
+            finish(req.prompt_ids + [first] + step)
         while not stop.reason:
             target_step(target, sampler, stop, emit, stats)
         return False
