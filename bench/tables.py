@@ -48,6 +48,9 @@ RESULTS = ROOT / "bench" / "results"
 DOCUMENTS = ("README.md", "bench/RESULTS.md")
 BLOCK = re.compile(r"<!-- tables:begin (?P<spec>[^>\n]+?) -->\n(?P<body>.*?)<!-- tables:end (?P=spec) -->", re.S)
 BEGIN = re.compile(r"<!-- tables:begin ")
+if str(ROOT / "bench") not in sys.path:  # loaded by path (the tests): its sibling server_tables
+    sys.path.insert(0, str(ROOT / "bench"))
+import server_tables
 
 
 def render(record) -> str:
@@ -131,9 +134,9 @@ def render(record) -> str:
         return (f"{record['num_tokens']} tokens, {record['tokens_per_s']:.2f} tokens/s decode, TTFT "
                 f"{record['ttft_s']:.2f} s, mode {record['mode']} ({m.get('mode_reason', '')}), kernels {m.get('kernels')}")
     if isinstance(record, dict) and ("soak" in record or "overhead" in record):
-        return _server(record)
+        return server_tables.server(record)
     if isinstance(record, dict) and "attack" in record:
-        return _attacks(record["attack"])
+        return server_tables.attacks(record["attack"])
     if isinstance(record, dict) and "huge_page_bytes_after_load" in record:  # bench/huge_pages.py
         lines = [f"{record['model']} model, {record['threads']} threads, kernel {record['quant_gemm']}, "
                  f"{record['huge_page_bytes_after_load'] / 2**20:.0f} MiB on huge pages after the load", "",
@@ -205,50 +208,6 @@ def _probe(record: dict) -> str:
     for name, check in record["checks"].items():
         lines.append(f"| {name} | {check.get('status')} | {check.get('reason') or ''} |")
     return "\n".join(lines)
-
-
-def _server(record: dict) -> str:
-    """bench/server_load.py's soak (counts, resident memory, restart) or overhead (paired spreads)."""
-    if "soak" in record:
-        s, r = record["soak"], record["soak"]["restart"]
-        lines = ["| mode | requests | valid answered | bad refused (400) | streams dropped | failed |",
-                 "|---|---|---|---|---|---|",
-                 f"| {', '.join(s['modes'])} | {s['requests']} | {s['valid_answered']}/{s['valid']} | "
-                 f"{s['bad_refused_400']}/{s['bad']} | {s['cancelled']} | {len(s['failed'])} |", "",
-                 "| process | RSS at request 10, MiB | at request 50, MiB | growth |", "|---|---|---|---|"]
-        first, last = (s["rss_mib"][k] for k in sorted(s["rss_mib"], key=int))
-        lines += [f"| {p} | {first[p]:.0f} | {last[p]:.0f} | {100 * g:+.1f} % |" for p, g in s["rss_growth"].items()]
-        lines += ["", f"Worker killed: the next request got {r['first_status']} after {r['first_s']:.2f} s, "
-                      f"`/health` then said `{r['health_after_503']['status']}`, the request after it got "
-                      f"{r['next_status']} after {r['next_s']:.1f} s (engine restart {r['restart_s']:.1f} s); "
-                      f"processes left after SIGTERM: {len(s['leftover_processes'])}."]
-        return "\n".join(lines)
-    o = record["overhead"]
-    t, q = o["ttft_added_ms"], o["tokens_per_s_ratio"]
-    return "\n".join([
-        "| pairs | TTFT direct s | TTFT HTTP s | added TTFT ms: median (p10, p90) | decode tokens/s direct | HTTP | "
-        "HTTP / direct: median (p10, p90) | texts equal |", "|---|---|---|---|---|---|---|---|",
-        f"| {len(o['pairs'])} | {o['ttft_direct_s']:.3f} | {o['ttft_http_s']:.3f} | {t['median']:.1f} ({t['p10']:.1f}, "
-        f"{t['p90']:.1f}) | {o['tokens_per_s_direct']:.2f} | {o['tokens_per_s_http']:.2f} | {q['median']:.4f} "
-        f"({q['p10']:.4f}, {q['p90']:.4f}) | {o['texts_equal']}/{len(o['pairs'])} |"])
-
-
-def _attacks(a: dict) -> str:
-    """bench/server_load.py attack: per case its status (and the one expected), engine restart,
-    ``/health`` after, memory delta and leftovers."""
-    lines = ["| case | what | HTTP status (expected) | engine restarted (expected) | `/health` after | "
-             "RSS delta, MiB | leftover processes / shm segments | as expected | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for c in a["cases"]:
-        status = "-" if c.get("status") is None else c["status"]
-        expected = "-" if c["expected_status"] is None else c["expected_status"]
-        lines.append(f"| {c['case']} | {c['what']} | {status} ({expected}) | {'yes' if c['restarted'] else 'no'} "
-                     f"({'yes' if c['restart_expected'] else 'no'}) | {c['health_after']['code']} | "
-                     f"{c['rss_delta_mib']:+.1f} | {len(c['leftover_processes'])} / {len(c['leftover_shm'])} | "
-                     f"{'yes' if c['ok'] else '**no**'} | {(c.get('note') or c.get('error') or '').replace('|', '/')} |")
-    return "\n".join(lines + ["", f"{a['passed']}/{a['total']} cases as expected; after SIGTERM "
-                                   f"{len(a['leftover_processes_at_exit'])} processes and "
-                                   f"{len(a['leftover_shm_at_exit'])} shared-memory segments were left."])
 
 
 # the peers' rows in a summary table

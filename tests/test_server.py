@@ -356,21 +356,32 @@ def _bench_module(name: str):
 
 def test_soak_answers_every_valid_request_and_memory_stays_flat(tiny_dir):
     """bench/server_load.py's soak on the tiny pair: 50 requests in waves of 5 (valid ones streamed
-    or not, streams dropped after two chunks, bad requests), then a killed worker; the server and
-    every worker hold their resident memory (request 50 vs request 10, within 5 %), nothing leaks."""
+    or not, streams dropped after two chunks, bad requests); the server and every worker hold their
+    resident memory (request 50 vs request 10, within 5 %). Then a short soak with the attack cases
+    between its waves: every valid request answered, each case as expected, no engine restart.
+    Then a killed worker; nothing leaks."""
     sl = _bench_module("server_load")
+    sa = _bench_module("server_attacks")
     # pings every 10 minutes: the killed idle worker is found by the next request, as restart() expects
-    server = sl.Server(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--mode", "serial", "--dtype",
-                        "float32", "--target-cores", "0", "--draft-cores", "0", "--liveness-interval", "600"],
-                       timeout_s=300)
+    server = sl.Server([*sa.EDGE_FLAGS, "--target", str(tiny_dir), "--draft", str(tiny_dir), "--mode", "serial",
+                        "--dtype", "float32", "--target-cores", "0", "--draft-cores", "0", "--liveness-interval",
+                        "600"], timeout_s=300, launcher=sa.LAUNCHER)
     try:
-        res = sl.soak(server.url, server, sl._prompts(12), requests=50, wave=5, seed=1)
+        res = sl.soak(server.url, server, sl._prompts(12), requests=50, wave=5, seed=1, headers=sa.AUTH)
         assert res["valid"] >= 20 and res["bad"] >= 3 and res["cancelled"] >= 3
         assert res["failed"] == [], res["failed"]
         assert res["valid_answered"] == res["valid"] and res["bad_refused_400"] == res["bad"]
         assert "server" in res["rss_growth"] and any(k.startswith("worker ") for k in res["rss_growth"])
         assert all(g < 0.05 for g in res["rss_growth"].values()), res["rss_mib"]
-        r = sl.restart(server.url, server)
+        # the cases of a few seconds each (the stalled reader waits 8 s: the attack harness runs it)
+        cases = [n for n in sa.SOAK_CASES if n != "stalled_stream_reader"]
+        mixed = sl.soak(server.url, server, sl._prompts(12), requests=15, wave=5, seed=2, headers=sa.AUTH,
+                        rss_at=(5, 15), attacks=cases)
+        assert mixed["valid"] >= 5 and mixed["valid_lost"] == 0 and mixed["failed"] == [], mixed["failed"]
+        assert [c["case"] for c in mixed["attacks"]["cases"]] == cases
+        assert all(c["ok"] for c in mixed["attacks"]["cases"]), [c for c in mixed["attacks"]["cases"] if not c["ok"]]
+        assert mixed["restarts"] == {"total": 0, "intended": 0, "unintended": 0}
+        r = sl.restart(server.url, server, sa.AUTH)
         assert r["ok"], r
         assert r["health_after_503"]["status"] == "restarting" and r["restart_s"] > 0
     finally:

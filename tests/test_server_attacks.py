@@ -267,8 +267,15 @@ def test_request_deadline_default_and_cap():
     assert oai.sampling_params({"timeout_s": 60}, None, True, limits)[0].timeout_s == 2.0
     assert oai.sampling_params({"timeout_s": 0.5}, None, True, limits)[0].timeout_s == 0.5
     assert oai.sampling_params({}, None, True)[0].timeout_s is None
+    # one rule for the three: the engine's parameters, the server's limit, the request body (400)
     for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(ValueError, match="timeout_s"):
+        with pytest.raises(ValueError, match="timeout_s must be None or a finite number of seconds > 0"):
             SamplingParams(timeout_s=bad)
-    with pytest.raises(ValueError, match="request_timeout_s"):
-        oai.Limits(request_timeout_s=0)
+        with pytest.raises(ValueError, match="request_timeout_s must be a positive number of seconds or None"):
+            oai.Limits(request_timeout_s=bad)
+        with pytest.raises(oai.APIError, match="'timeout_s' must be a positive number of seconds") as e:
+            oai.sampling_params({"timeout_s": bad}, None, True)
+        assert e.value.status == 400
+    for good in (1e-3, 2, 1e9):
+        assert SamplingParams(timeout_s=good).timeout_s == oai.Limits(request_timeout_s=good).request_timeout_s == \
+            oai.sampling_params({"timeout_s": good}, None, True)[0].timeout_s == good

@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from swiftspec.model_executor.sampling import MAX_LOGPROBS, SamplingParams
+from swiftspec.model_executor.sampling import MAX_LOGPROBS, SamplingParams, is_positive_seconds
 
 # Qwen2.5-Coder's fill-in-the-middle tokens (what editors' completion plugins rely on)
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
@@ -47,7 +47,7 @@ class Limits:
 
     def __post_init__(self):
         t = self.request_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+        if t is not None and not is_positive_seconds(t):
             raise ValueError(f"request_timeout_s must be a positive number of seconds or None, got {t!r}")
 
 
@@ -117,7 +117,7 @@ def _timeout(body: dict, limit: float | None) -> float | None:
     t = body.get("timeout_s")
     if t is None:
         return limit
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+    if not is_positive_seconds(t):
         raise APIError(400, f"'timeout_s' must be a positive number of seconds, got {t!r}", "timeout_s")
     return t if limit is None else min(t, limit)
 

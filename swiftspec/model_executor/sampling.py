@@ -14,6 +14,13 @@ import torch
 MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API's top_logprobs
 
 
+def is_positive_seconds(t) -> bool:
+    """Whether ``t`` is a duration in seconds a deadline may have: an int or float (not a bool),
+    finite and > 0. The one check of a request's ``timeout_s`` (:class:`SamplingParams`, the
+    server's limits and the request body); each caller raises its own error."""
+    return not isinstance(t, bool) and isinstance(t, (int, float)) and 0 < t < float("inf")
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The target's log-probability of one generated token and of its most likely alternatives.
@@ -80,8 +87,7 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                                           or not 0 < self.timeout_s < float("inf")):
+        if self.timeout_s is not None and not is_positive_seconds(self.timeout_s):
             raise ValueError(f"timeout_s must be None or a finite number of seconds > 0, got {self.timeout_s!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
