@@ -98,8 +98,10 @@ def build_dir(tag: str) -> Path:
     ``cpp_extension`` writes its include and library paths into every compile command and ninja
     rebuilds every object whose command changed: two virtual environments at two paths (a
     checkout's ``.venv`` and a clean clone's) sharing one directory rebuilt all of it each time
-    the other had built (about 5 minutes for the main module on 2 cores). Each keeps its own."""
-    root = cache_root()
+    the other had built (about 5 minutes for the main module on 2 cores). Each keeps its own. The
+    cache root is resolved: a cache reached through a symbolic link builds in the same directory,
+    named by the same path."""
+    root = cache_root().resolve()  # the directory's path is in every command too: one path per directory
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
     env = hashlib.sha256(str(_torch_dir()).encode()).hexdigest()[:8]
     d = root / "build" / f"{tag}-{platform.machine()}-{cpu}-{env}"
