@@ -142,7 +142,13 @@ def test_identical_draft_hits_every_node(target3, reference, mode, steps):
 @pytest.mark.parametrize("mode,order", [("pipedec", "layer"), ("pipedec", "score"), ("pipeinfer", "layer")])
 def test_sampling_follows_target_distribution(target3, draft3, mode, order):
     """Joint distribution of the first three sampled tokens against the exact target
-    distribution (chi-square), with a draft that often proposes the sampled token."""
+    distribution (chi-square), with a draft that often proposes the sampled token.
+
+    400 draws: the float32 draft's top-3 triples all lie outside the target's, so a draw from the
+    draft fails the support check at any n; at alpha 1e-3 a simulation of this statistic rejects
+    a 50/50 mix with the uniform law on the target's triples with power 0.999 (0.94 at 200), one
+    uniform reused at all three positions mixed in at 25% with 0.999 (0.98 at 300) and the
+    target's law squared and renormalized with 1.0; a 25% uniform mix only with 0.62 (0.82 at 600)."""
     from distributions import chi_square_pvalue, exact_first_tokens
 
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
@@ -150,7 +156,7 @@ def test_sampling_follows_target_distribution(target3, draft3, mode, order):
                 pipeline_order=order) as eng:
         prompt = eng.encode(PROMPT)
         exact = exact_first_tokens(load_model(target3), prompt, params)
-        n, counts, hits = 600, Counter(), 0
+        n, counts, hits = 400, Counter(), 0
         for seed in range(n):
             out = eng.generate(prompt, SamplingParams(**params, seed=seed))
             counts[tuple(out.token_ids)] += 1
