@@ -373,8 +373,10 @@ def test_soak_answers_every_valid_request_and_memory_stays_flat(tiny_dir):
         assert res["valid_answered"] == res["valid"] and res["bad_refused_400"] == res["bad"]
         assert "server" in res["rss_growth"] and any(k.startswith("worker ") for k in res["rss_growth"])
         assert all(g < 0.05 for g in res["rss_growth"].values()), res["rss_mib"]
-        # the cases of a few seconds each (the stalled reader waits 8 s: the attack harness runs it)
-        cases = [n for n in sa.SOAK_CASES if n != "stalled_stream_reader"]
+        # the cases of a few seconds each; the attack harness's test runs the other two on its own
+        # model: the stalled reader waits 8 s, and a client gone while queued needs a long request
+        # ahead of it, which this model may end early at its end-of-sequence token
+        cases = [n for n in sa.SOAK_CASES if n not in ("stalled_stream_reader", "client_gone_while_queued")]
         mixed = sl.soak(server.url, server, sl._prompts(12), requests=15, wave=5, seed=2, headers=sa.AUTH,
                         rss_at=(5, 15), attacks=cases)
         assert mixed["valid"] >= 5 and mixed["valid_lost"] == 0 and mixed["failed"] == [], mixed["failed"]
