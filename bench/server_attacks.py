@@ -303,6 +303,14 @@ def run_case(name: str, server, seen: set[int]) -> dict:
             "leftover_processes": leftover, "leftover_shm": shm, "seconds": seconds, "ok": ok}
 
 
+def outcome(c: dict) -> str:
+    """One line of a :func:`run_case` result: status and restart against the expected ones, /health
+    after, the memory delta, leftovers."""
+    return (f"{c['case']}: status {c.get('status')} (expected {c['expected_status']}), restarted "
+            f"{c['restarted']}, /health {c['health_after']['code']}, RSS {c['rss_delta_mib']:+.0f} MiB, "
+            f"leftovers {len(c['leftover_processes']) + len(c['leftover_shm'])}: {'ok' if c['ok'] else 'NOT OK'}")
+
+
 def attack(server_cls, names: list[str] | None = None, engine_args: list[str] | None = None) -> dict:
     """Start one server on the tiny model (``engine_args`` after the model flags) and run ``names``
     (default: every case, the restarting ones last) against it; then stop it and count what is left."""
@@ -317,11 +325,7 @@ def attack(server_cls, names: list[str] | None = None, engine_args: list[str] | 
         try:
             for name in names:
                 cases.append(run_case(name, server, seen))
-                c = cases[-1]
-                print(f"{name}: status {c.get('status')} (expected {c['expected_status']}), restarted "
-                      f"{c['restarted']}, /health {c['health_after']['code']}, RSS {c['rss_delta_mib']:+.0f} MiB, "
-                      f"leftovers {len(c['leftover_processes']) + len(c['leftover_shm'])}: "
-                      f"{'ok' if c['ok'] else 'NOT OK'}", flush=True)
+                print(outcome(cases[-1]), flush=True)
         finally:
             at_exit = server.stop()
         shm_at_exit = [n for n in _shm(seen) if not _alive(int(n.split("-")[1]))]

@@ -50,6 +50,7 @@ import httpx
 BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:  # loaded by path (the tests): its sibling modules
     sys.path.insert(0, str(BENCH))
+import server_attacks
 import server_overhead
 from server_proc import Server, machine_info, metric
 
@@ -149,8 +150,6 @@ def soak(url: str, server: Server | None, prompts: list[str], requests: int = 50
     engine restarts over the whole soak are counted (``/metrics``); those of cases that restart
     it on purpose are ``restarts_intended``, every other one ``restarts_unintended``.
     """
-    import server_attacks
-
     rng = random.Random(seed)
     kinds = rng.choices(VALID + ("cancel",) + BAD, weights=[3, 2, 1, 1, 2, 0.4, 0.4, 0.4, 0.4, 0.4], k=requests)
     records: list[dict] = []
@@ -174,9 +173,7 @@ def soak(url: str, server: Server | None, prompts: list[str], requests: int = 50
                     rss[at] = server.rss()
             for name in plan.get(w, []):
                 cases.append(server_attacks.run_case(name, server, seen) | {"after_request": done})
-                c = cases[-1]
-                print(f"after request {done}: {name}: status {c.get('status')} (expected {c['expected_status']}), "
-                      f"restarted {c['restarted']}: {'ok' if c['ok'] else 'NOT OK'}", flush=True)
+                print(f"after request {done}: {server_attacks.outcome(cases[-1])}", flush=True)
     valid = [r for r in records if r["kind"] in VALID]
     out = {"requests": requests, "wave": wave, "seed": seed,
            "counts": {k: sum(r["kind"] == k for r in records) for k in VALID + ("cancel",) + BAD},
@@ -265,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="overhead: paired runs per prompt")
     ap.add_argument("--out", help="write the JSON record here")
     args = ap.parse_args(argv)
-
-    import server_attacks
 
     cases = args.cases.split(",") if args.cases else None
     unknown = sorted(set(cases or []) - set(server_attacks.CASES))

@@ -374,8 +374,8 @@ def test_soak_answers_every_valid_request_and_memory_stays_flat(tiny_dir):
         assert "server" in res["rss_growth"] and any(k.startswith("worker ") for k in res["rss_growth"])
         assert all(g < 0.05 for g in res["rss_growth"].values()), res["rss_mib"]
         # the cases of a few seconds each; the attack harness's test runs the other two on its own
-        # model: the stalled reader waits 8 s, and a client gone while queued needs a long request
-        # ahead of it, which this model may end early at its end-of-sequence token
+        # model: the stalled reader waits 8 s, and a client gone while queued needs a request ahead
+        # of it that outlasts the client's 0.5 s, which this fast model may finish sooner
         cases = [n for n in sa.SOAK_CASES if n not in ("stalled_stream_reader", "client_gone_while_queued")]
         mixed = sl.soak(server.url, server, sl._prompts(12), requests=15, wave=5, seed=2, headers=sa.AUTH,
                         rss_at=(5, 15), attacks=cases)
