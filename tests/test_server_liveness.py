@@ -113,3 +113,23 @@ def _zombie(pid: int) -> bool:
             return "zombie" in f.read().lower()
     except FileNotFoundError:
         return True
+
+
+def test_tp_follower_frozen_while_idle_fails_the_ping(tiny_dir):
+    """A TP group's leader passes the engine's liveness ping on to its followers: a follower frozen
+    between requests (its leader still answers) fails the ping, named, and the engine is closed."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32", target_tp=2, liveness_interval_s=None) as engine:
+        engine.ping(5.0)  # both ranks answer
+        leader, follower = engine.pids
+        os.kill(follower, signal.SIGSTOP)
+        try:
+            with pytest.raises(WorkerError, match=rf"-1 \(pid {follower}\) did not answer a liveness ping"):
+                engine.ping(1.0)
+        finally:
+            try:
+                os.kill(follower, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in (leader, follower))

@@ -188,17 +188,21 @@ class WorkerProcesses:
                 self.fail("workers did not acknowledge a cancelled request within 30 s")
 
     def ping(self, timeout_s: float) -> None:
-        """Send ``("ping",)`` to every idle leader and wait for each one's ``("pong", kind)``.
+        """Send ``("ping", follower_timeout_s)`` to every idle leader and wait for each one's
+        ``("pong", kind[, silent])``: a TP group's leader first pings its followers
+        (:func:`swiftspec.engine.worker.ping_followers`, half of ``timeout_s``) and lists in
+        ``silent`` the group-local ranks that did not answer.
 
         Raises:
-            WorkerError: a worker died, or a leader did not answer within ``timeout_s`` seconds
-                (a frozen or hung process); every worker is stopped first.
+            WorkerError: a worker died, or a leader (or a follower, through its leader) did not
+                answer within ``timeout_s`` seconds (a frozen or hung process); every worker is
+                stopped first.
         """
         self.check_alive()
         pending = dict(self.leaders)
         for conn in pending.values():
             try:
-                conn.send(("ping",))
+                conn.send(("ping", timeout_s / 2))
             except OSError:  # its pipe is gone: the worker is dying
                 self.recv(conn)
         deadline = time.monotonic() + timeout_s
@@ -211,10 +215,22 @@ class WorkerProcesses:
             wait(list(pending.values()) + [p.sentinel for p in self.procs], timeout=left)
             for kind, conn in list(pending.items()):
                 while conn.poll():
-                    if self.recv(conn)[0] == "pong":
+                    msg = self.recv(conn)
+                    if msg[0] == "pong":
                         pending.pop(kind)
+                        self._check_followers(kind, msg[2] if len(msg) > 2 else [], timeout_s / 2)
                         break
             self.check_alive()
+
+    def _check_followers(self, kind: str, silent: list[int], timeout_s: float) -> None:
+        """Fail naming the followers of group ``kind`` (group-local ranks ``silent``) that did not
+        answer their leader's liveness ping within ``timeout_s`` seconds."""
+        if not silent:
+            return
+        names = {p.name: p for p in self.procs}
+        procs = [names.get(f"swiftspec-{kind}-{j}") for j in silent]
+        who = ", ".join(f"{p.name} (pid {p.pid})" if p else f"{kind} follower rank {j}" for p, j in zip(procs, silent))
+        self.fail(f"{who} did not answer a liveness ping within {timeout_s:g} s: a frozen or hung worker")
 
     # ---- failure handling ---------------------------------------------------------------
     def fail(self, why: str):

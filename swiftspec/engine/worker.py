@@ -12,8 +12,9 @@ the engine can raise it instead of hanging.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import torch
 
@@ -211,6 +212,32 @@ def _setup(spec: WorkerSpec):
     return runners, tp
 
 
+def ping_followers(followers: list[Connection], timeout_s: float) -> list[int]:
+    """Send ``"ping"`` to each TP follower and wait up to ``timeout_s`` seconds in all for its
+    ``"pong"`` (:func:`swiftspec.model_executor.runner.serve_follower`), so a follower frozen while
+    the engine is idle is found by the engine's liveness ping, not by the next request's progress
+    deadline. Returns the group-local ranks (1 = the first follower) that did not answer or whose
+    pipe closed."""
+    live, silent = {}, []
+    for j, c in enumerate(followers, start=1):
+        try:
+            c.send("ping")
+            live[c] = j
+        except OSError:  # its pipe is gone: the follower died
+            silent.append(j)
+    deadline = time.monotonic() + timeout_s
+    while live and (left := deadline - time.monotonic()) > 0:
+        for c in wait(list(live), timeout=left):
+            try:
+                answered = c.recv() == "pong"
+            except (EOFError, OSError):
+                answered = False
+            j = live.pop(c)
+            if not answered:
+                silent.append(j)
+    return sorted(silent + list(live.values()))
+
+
 def pin(spec: WorkerSpec) -> None:
     """Pin this process to ``spec.cores`` (where the OS allows) and set its intra-op threads:
     ``spec.threads``, at most one per core this process may run on, so an OpenMP thread waiting
@@ -268,8 +295,8 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
                 return
             if msg[0] == "cancel":  # arrived after its request had finished
                 continue
-            if msg[0] == "ping":  # the engine's liveness check between requests
-                engine.send(("pong", spec.kind))
+            if msg[0] == "ping":  # the engine's liveness check between requests, passed on to the followers
+                engine.send(("pong", spec.kind, ping_followers(followers, msg[1] if len(msg) > 1 else 1.0)))
                 continue
             req = msg[1]
             for r in runners.values():

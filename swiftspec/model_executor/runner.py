@@ -309,7 +309,8 @@ def _from_wire(a):
 
 
 def serve_follower(runners: dict[str, ModelRunner], leader: Connection) -> None:
-    """Follower loop: execute the leader's mirrored calls until it sends ``None`` or the pipe closes."""
+    """Follower loop: execute the leader's mirrored calls until it sends ``None`` or the pipe
+    closes; answer its ``"ping"`` with ``"pong"`` (:func:`swiftspec.engine.worker.ping_followers`)."""
     while True:
         try:
             msg = leader.recv()
@@ -317,5 +318,8 @@ def serve_follower(runners: dict[str, ModelRunner], leader: Connection) -> None:
             return
         if msg is None:
             return
+        if msg == "ping":  # the leader passes on the engine's liveness ping between requests
+            leader.send("pong")
+            continue
         role, method, args = msg
         getattr(runners[role], method)(*map(_from_wire, args))
