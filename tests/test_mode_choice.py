@@ -56,6 +56,18 @@ def test_tree_priors_replay_the_recorded_ranks():
         mc.tree_tokens_per_step([[3]], (1,))
 
 
+def test_catch_up_rows_replay_what_the_draft_has_not_run():
+    """The draft's first forward of an iteration runs the verified tokens it has not run: the
+    bonus token, plus an accepted proposal it never expanded (a chain's deepest one)."""
+    ranks = [[None, 0, 0, 1, None, 0, 0]]
+    # one-node chain: [0 + bonus] 2 rows, [bonus] 1, [bonus] 1, [0 + bonus] 2
+    assert mc.tree_catch_up_mix(ranks, (1,)) == {1: 0.5, 2: 0.5}
+    # two-node chain: [0, 0 + bonus]: the first proposal was expanded, 2 rows; [bonus] 1; [0, 0]
+    # (the end, no bonus) 1
+    assert mc.tree_catch_up_mix(ranks, (1, 1)) == {1: 2 / 3, 2: 1 / 3}
+    assert mc.catch_up_rows(3, 2, 3) == 1 and mc.catch_up_rows(1, 1, 1) == 1 and mc.catch_up_rows(4, 3, 1) == 4
+
+
 def test_ngram_priors_replay_the_proposer():
     prompt, out = [1, 2, 3, 4, 1, 2], [3, 4, 1, 2, 9]
     # text ...1 2 | 3: "2 3" seen -> propose 4 (right), bonus 1; "4 1" seen -> 2 (right), bonus 9
@@ -73,13 +85,15 @@ def test_hybrid_priors_replay_both_chains():
     texts = [(prompt, out, [None, 5, 0, 0, 0])]
     # root 3: draft misses (rank 5), n-gram "2 3" -> 4 right: 4 + bonus 1, 3 rows (nothing shared);
     # root 1: draft 2 right, n-gram "4 1" -> 2 right (the same row): 2 + bonus 9, 2 rows
-    tps, mix = mc.hybrid_tokens_per_step(texts, 1, NgramParams(2, 2, 1))
+    tps, mix, catch_up = mc.hybrid_tokens_per_step(texts, 1, NgramParams(2, 2, 1))
     assert tps == 2.0 and mix == {2: 0.5, 3: 0.5}
+    assert catch_up == {2: 1.0}  # the n-gram's 4 + bonus, then the draft's own 2 (never run) + bonus
     assert mc.tree_tokens_per_step([texts[0][2]], (1,)) == 4 / 3  # the draft chain alone: 3 verifications
     # a deeper draft chain than the n-gram's: root 3: draft 4 1, n-gram 4 (shared): 3 tokens, 3 rows;
     # root 2: n-gram "1 2" -> 3 wrong, draft 9 right: the end, 4 rows (1 + 2 draft + 1 chain)
-    tps, mix = mc.hybrid_tokens_per_step([(prompt, out, [None, 0, 0, 0, 0])], 2, NgramParams(2, 2, 1))
+    tps, mix, catch_up = mc.hybrid_tokens_per_step([(prompt, out, [None, 0, 0, 0, 0])], 2, NgramParams(2, 2, 1))
     assert tps == 2.0 and mix == {3: 0.5, 4: 0.5}
+    assert catch_up == {1: 0.5, 2: 0.5}  # 4 (expanded) 1 + bonus 2: two rows; the end: one
     with pytest.raises(ValueError, match="depth"):
         mc.hybrid_tokens_per_step(texts, 0, NgramParams(2, 2, 1))
 
@@ -101,10 +115,16 @@ def test_packaged_priors():
         assert c.tokens_per_step < 1 + max(d, k) and abs(sum(c.rows_mix.values()) - 1) < 1e-9
         assert min(c.rows_mix) == 1 + d and max(c.rows_mix) <= 1 + d + k <= mc.HYBRID_ROWS
         assert c.draft_forwards == d and c.fields["hybrid_rows"] == mc.HYBRID_ROWS
+        assert abs(sum(c.catch_up_mix.values()) - 1) < 1e-9 and max(c.catch_up_mix) <= 1 + max(d, k)
+    for label in ("serial bs 2 d 1", "serial bs 4 d 3 chain"):
+        assert set(by[label].catch_up_mix) == {1, 2}  # the bonus, and the deepest proposal when accepted
 
 
 def _costs(target_ms, draft_ms):
-    return StepCosts({r: t / 1e3 for r, t in zip((1, 2, 3, 4), target_ms)}, {1: draft_ms / 1e3}, "avx2", "stored")
+    """Step costs of the target at 1-4 rows and the draft (one cost for 1-4 rows, or one each)."""
+    draft_ms = draft_ms if isinstance(draft_ms, tuple) else (draft_ms,) * 4
+    return StepCosts({r: t / 1e3 for r, t in zip((1, 2, 3, 4), target_ms)},
+                     {r: t / 1e3 for r, t in zip((1, 2, 3, 4), draft_ms)}, "avx2", "stored")
 
 
 @pytest.mark.parametrize("target_ms, draft_ms, want", [
@@ -115,14 +135,20 @@ def _costs(target_ms, draft_ms):
     # rows beats both a deeper draft chain (dearer) and n-gram alone (fewer tokens)
     ((10, 10.2, 10.4, 10.6), 4, "hybrid"),
     ((10, 10.2, 10.4, 10.6), 6, "ngram"),  # the draft dearer still: hybrid loses to n-gram alone
+    # a Zen 4's measured costs: hybrid is expected fastest with the draft at one row's cost for
+    # any rows, while its catch-up forwards over 2-3 rows make n-gram alone as fast
+    ((30.5, 33.8, 37.7, 42.8), 8.9, "hybrid"),
+    ((30.5, 33.8, 37.7, 42.8), (8.9, 11.0, 13.0, 15.0), "ngram"),
 ])
 def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
     monkeypatch.setattr(mode_selection, "_numa_nodes", lambda: 1)
     mode, why, fields = mode_selection.choose_mode(config.EngineConfig(), True, None, 0, _costs(target_ms, draft_ms))
     assert mode == want and why.startswith("auto, measured here")
     assert f"target 1/2/3/4 rows {'/'.join(f'{t:.1f}' for t in target_ms)} ms" in why
-    assert f"draft 1 row {draft_ms:.1f} ms" in why and "avx2" in why
-    top, rates = mc.best(mc.priors(), _costs(target_ms, draft_ms).target_s, draft_ms / 1e3)
+    costs = _costs(target_ms, draft_ms)
+    assert f"draft 1/2/3/4 rows {'/'.join(f'{costs.draft_s[r] * 1e3:.1f}' for r in (1, 2, 3, 4))} ms" in why
+    assert "avx2" in why
+    top, rates = mc.best(mc.priors(), costs.target_s, costs.draft_s)
     assert top.mode == want and fields == top.fields and f"{top.label} fastest" in why
     assert rates[top.label] * (1 + mc.MARGIN) >= max(rates.values()) and f"{top.label} {rates[top.label]:.1f}" in why
     if want == "serial":

@@ -143,8 +143,8 @@ def _measured_mode(config: EngineConfig, costs, own_tree: bool) -> tuple[str, st
     from swiftspec.spec_decode import mode_choice
 
     cands = mode_choice.priors(ngram=NgramParams(config.ngram_min, config.ngram_max, 1))
-    top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s[1])
-    why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s[1], costs.variant)
+    top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s)
+    why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s, costs.variant)
     own_ngram = config.ngram_tokens != EngineConfig().ngram_tokens or config.hybrid_rows != EngineConfig().hybrid_rows
     own = {"serial": own_tree, "ngram": own_ngram, "hybrid": own_tree or own_ngram}.get(top.mode, False)
     return top.mode, why, {} if own else dict(top.fields)

@@ -37,8 +37,9 @@ from swiftspec.weights.model_cache import NATIVE_FILE, atomic_write_text
 
 # rows per target forward the decode modes verify (autoregressive 1, ngram and serial trees up to 4)
 TARGET_ROWS = (1, 2, 3, 4)
-# rows per draft forward: one node expanded per forward in the trees weighed
-DRAFT_ROWS = (1,)
+# rows per draft forward: one node expanded per forward in the trees weighed, the catch-up forward
+# after a verification over the verified tokens the draft has not run (up to 4 in the shapes weighed)
+DRAFT_ROWS = (1, 2, 3, 4)
 STEPS_VERSION = 1
 
 

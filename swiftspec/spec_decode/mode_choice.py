@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from swiftspec.spec_decode.ngram import NgramParams, NgramProposer
@@ -61,7 +61,11 @@ class Candidate:
         rows_mix: target rows per verification -> fraction of verifications with that many
             (ngram verifies the root alone where the text offers no proposal; hybrid's varies
             with the n-gram proposal and the rows it shares with the draft chain).
-        draft_forwards: draft forwards of one row per verification.
+        draft_forwards: draft forwards per verification: the first a catch-up over the verified
+            tokens the draft has not run (the bonus token, and accepted proposals it never
+            expanded), the others one row each.
+        catch_up_mix: rows of that first draft forward -> fraction of verifications (empty for
+            the target-alone modes).
     """
 
     mode: str
@@ -70,6 +74,34 @@ class Candidate:
     tokens_per_step: float
     rows_mix: dict[int, float]
     draft_forwards: int = 0
+    catch_up_mix: dict[int, float] = field(default_factory=dict)
+
+
+def _mix(counts: dict[int, int], steps: int) -> dict[int, float]:
+    return {r: n / steps for r, n in sorted(counts.items())}
+
+
+def _tree_walk(ranks: list[list[int | None]], widths: tuple[int, ...]):
+    """Yield ``(step, accepted)`` per verification of :func:`tree_tokens_per_step`'s replay:
+    tokens it yields and proposals among them."""
+    for seq in ranks:
+        i = 0
+        while i + 1 < len(seq):
+            j = 0
+            while j < len(widths) and i + 1 + j < len(seq) and seq[i + 1 + j] is not None and seq[i + 1 + j] < widths[j]:
+                j += 1
+            step = min(j + 1, len(seq) - 1 - i)
+            yield step, j
+            i += step
+
+
+def catch_up_rows(step: int, accepted: int, depth: int) -> int:
+    """Rows of the draft's first forward after a verification that yielded ``step`` tokens, of
+    which ``accepted`` followed the draft's chain, with a draft chain ``depth`` deep: the verified
+    tokens it has not run, i.e. all but the accepted ones it expanded (the first ``depth - 1``;
+    the deepest proposal is never run through the draft), ending at the new root
+    (:meth:`swiftspec.spec_decode.tree.DraftTree.reroot`); at least the root."""
+    return max(1, step - min(accepted, depth - 1))
 
 
 def tree_tokens_per_step(ranks: list[list[int | None]], widths: tuple[int, ...]) -> float:
@@ -81,18 +113,23 @@ def tree_tokens_per_step(ranks: list[list[int | None]], widths: tuple[int, ...])
     Raises ValueError without positions to decode or with an empty ``widths``."""
     if not widths:
         raise ValueError("a tree needs at least one depth")
-    steps = tokens = 0
-    for seq in ranks:
-        i = 0
-        while i + 1 < len(seq):
-            j = 0
-            while j < len(widths) and i + 1 + j < len(seq) and seq[i + 1 + j] is not None and seq[i + 1 + j] < widths[j]:
-                j += 1
-            step = min(j + 1, len(seq) - 1 - i)
-            steps, tokens, i = steps + 1, tokens + step, i + step
-    if not steps:
+    walk = list(_tree_walk(ranks, widths))
+    if not walk:
         raise ValueError("no positions to decode in the recorded ranks")
-    return tokens / steps
+    return sum(step for step, _ in walk) / len(walk)
+
+
+def tree_catch_up_mix(ranks: list[list[int | None]], widths: tuple[int, ...]) -> dict[int, float]:
+    """Rows of the draft's first forward per verification (:func:`catch_up_rows`) -> fraction of
+    verifications, over :func:`tree_tokens_per_step`'s replay (the draft expands ``len(widths)``
+    times a verification). Raises ValueError as :func:`tree_tokens_per_step` does."""
+    tree_tokens_per_step(ranks, widths)
+    counts: dict[int, int] = {}
+    walk = list(_tree_walk(ranks, widths))
+    for step, accepted in walk:
+        r = catch_up_rows(step, accepted, len(widths))
+        counts[r] = counts.get(r, 0) + 1
+    return _mix(counts, len(walk))
 
 
 def ngram_tokens_per_step(texts: list[tuple[list[int], list[int]]], params: NgramParams) -> tuple[float, dict[int, float]]:
@@ -115,15 +152,16 @@ def ngram_tokens_per_step(texts: list[tuple[list[int], list[int]]], params: Ngra
             steps, tokens, i = steps + 1, tokens + step, i + step
     if not steps:
         raise ValueError("no positions to decode in the recorded tokens")
-    return tokens / steps, {r: n / steps for r, n in sorted(rows.items())}
+    return tokens / steps, _mix(rows, steps)
 
 
 def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | None]]], depth: int,
-                           params: NgramParams) -> tuple[float, dict[int, float]]:
+                           params: NgramParams) -> tuple[float, dict[int, float], dict[int, float]]:
     """Expected tokens per verification of ``hybrid`` with a draft chain of its first choices
     ``depth`` deep and prompt-lookup proposals (``params.tokens`` at most) hung from the same root
-    (:func:`swiftspec.spec_decode.hybrid.merge_chain`), and the fraction of verifications per
-    target rows, replayed greedily over ``(prompt_ids, tokens, ranks)`` triples (``tokens[0]``:
+    (:func:`swiftspec.spec_decode.hybrid.merge_chain`), the fraction of verifications per target
+    rows, and per rows of the draft's catch-up forward (:func:`catch_up_rows`: the accepted
+    n-gram tokens past the draft chain's run are new to the draft), replayed greedily over ``(prompt_ids, tokens, ranks)`` triples (``tokens[0]``:
     the prefill's; ``ranks[i]``: the draft's rank of ``tokens[i]``, None past the ranks kept).
 
     Exact for the tokens: the walk descends while the target's token is a child, so a verification
@@ -136,6 +174,7 @@ def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | 
         raise ValueError(f"a hybrid draft chain needs depth >= 1, got {depth}")
     steps = tokens = 0
     rows: dict[int, int] = {}
+    catch_up: dict[int, int] = {}
     for prompt, out, ranks in prompts:
         proposer, i = NgramProposer(params, list(prompt) + out[:1]), 0
         while i + 1 < len(out):
@@ -149,10 +188,12 @@ def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | 
             proposer.extend(out[i + 1:i + 1 + step])
             r = 1 + depth + len(prop) - min(a, b)
             rows[r] = rows.get(r, 0) + 1
+            c = catch_up_rows(step, min(a, step), depth)
+            catch_up[c] = catch_up.get(c, 0) + 1
             steps, tokens, i = steps + 1, tokens + step, i + step
     if not steps:
         raise ValueError("no positions to decode in the recorded tokens")
-    return tokens / steps, {r: n / steps for r, n in sorted(rows.items())}
+    return tokens / steps, _mix(rows, steps), _mix(catch_up, steps)
 
 
 def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
@@ -160,8 +201,8 @@ def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
     (:func:`swiftspec.spec_decode.acceptance.load`): autoregressive (1 token a 1-row step), ngram
     with ``ngram``'s lookup lengths proposing each of :data:`NGRAM_TOKENS` tokens, and serial with
     each tree of :data:`SERIAL_TREES` (``d`` one-row draft forwards a verification), and hybrid with
-    each shape of :data:`HYBRID_SHAPES` (``d`` draft forwards a verification, counted at one row's
-    cost: the first after a re-root also catches up on the accepted chain tokens and the bonus)."""
+    each shape of :data:`HYBRID_SHAPES` (``d`` draft forwards a verification, the first a catch-up
+    over the verified tokens the draft has not run, :attr:`Candidate.catch_up_mix`)."""
     ranks = [p["ranks"] for p in doc["prompts"]]
     texts = [(p["prompt_ids"], p["tokens"]) for p in doc["prompts"]]
     out = [Candidate("autoregressive", "autoregressive", {}, 1.0, {1: 1.0})]
@@ -170,12 +211,12 @@ def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
         out.append(Candidate("ngram", f"ngram {k}", {"ngram_tokens": k}, tps, mix))
     for label, fields, widths in SERIAL_TREES:
         out.append(Candidate("serial", f"serial {label}", dict(fields), tree_tokens_per_step(ranks, widths),
-                             {fields["bs"]: 1.0}, fields["d"]))
+                             {fields["bs"]: 1.0}, fields["d"], tree_catch_up_mix(ranks, widths)))
     triples = [(p["prompt_ids"], p["tokens"], p["ranks"]) for p in doc["prompts"]]
     for d, k in HYBRID_SHAPES:
-        tps, mix = hybrid_tokens_per_step(triples, d, NgramParams(ngram.min_n, ngram.max_n, k))
+        tps, mix, catch_up = hybrid_tokens_per_step(triples, d, NgramParams(ngram.min_n, ngram.max_n, k))
         fields = {"bs": d + 1, "d": d, "w": 1, "topk": 1, "ngram_tokens": k, "hybrid_rows": HYBRID_ROWS}
-        out.append(Candidate("hybrid", f"hybrid d {d} ngram {k}", fields, tps, mix, d))
+        out.append(Candidate("hybrid", f"hybrid d {d} ngram {k}", fields, tps, mix, d, catch_up))
     return out
 
 
@@ -188,30 +229,39 @@ def priors(path: str = str(PACKAGED_TRACE), ngram: NgramParams = NgramParams()) 
     return tuple(priors_of(load(path), ngram))
 
 
-def iteration_seconds(c: Candidate, target_s: dict[int, float], draft_s: float) -> float:
+def iteration_seconds(c: Candidate, target_s: dict[int, float], draft_s: dict[int, float] | float) -> float:
     """Expected seconds of one iteration of ``c``: its target verification (``target_s``: rows ->
-    seconds of a target forward, weighted by ``c.rows_mix``) plus its draft forwards (``draft_s``
-    seconds each). Raises ValueError where ``target_s`` lacks a row count ``c`` verifies."""
-    missing = sorted(set(c.rows_mix) - set(target_s))
-    if missing:
-        raise ValueError(f"{c.label} verifies {missing} rows, but only {sorted(target_s)} were measured")
-    return sum(f * target_s[r] for r, f in c.rows_mix.items()) + c.draft_forwards * draft_s
+    seconds of a target forward, weighted by ``c.rows_mix``) plus its draft forwards (``draft_s``:
+    rows -> seconds of a draft forward; the catch-up weighted by ``c.catch_up_mix``, the others
+    one row; a number: one row's cost for any rows). Raises ValueError where ``target_s`` or
+    ``draft_s`` lacks a row count ``c`` runs."""
+    draft = draft_s if isinstance(draft_s, dict) else {r: draft_s for r in set(c.catch_up_mix) | {1}}
+    catch_up = c.catch_up_mix or ({1: 1.0} if c.draft_forwards else {})
+    for who, need, have in (("verifies", c.rows_mix, target_s), ("catches the draft up on", catch_up, draft)):
+        missing = sorted(set(need) - set(have))
+        if missing:
+            raise ValueError(f"{c.label} {who} {missing} rows, but only {sorted(have)} were measured")
+    seconds = sum(f * target_s[r] for r, f in c.rows_mix.items())
+    if c.draft_forwards:
+        seconds += sum(f * draft[r] for r, f in catch_up.items()) + (c.draft_forwards - 1) * draft[1]
+    return seconds
 
 
-def tokens_per_s(c: Candidate, target_s: dict[int, float], draft_s: float) -> float:
+def tokens_per_s(c: Candidate, target_s: dict[int, float], draft_s: dict[int, float] | float) -> float:
     """Expected decode tokens/s of ``c``: tokens per verification over :func:`iteration_seconds`."""
     return c.tokens_per_step / iteration_seconds(c, target_s, draft_s)
 
 
 def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int, float],
-         draft_s: float, margin: float = MARGIN) -> tuple[Candidate, dict[str, float]]:
+         draft_s: dict[int, float] | float, margin: float = MARGIN) -> tuple[Candidate, dict[str, float]]:
     """The candidate of most expected tokens/s, where a later candidate (the list runs from the
     simplest mode to the deepest tree) replaces the pick so far only when it is expected to be
     faster by more than ``margin`` (a fraction); and every candidate's label -> tokens/s. Raises
     ValueError for no candidates, or a step cost that is not a positive number of seconds."""
     if not candidates:
         raise ValueError("no candidate modes")
-    if not all(v > 0 for v in list(target_s.values()) + [draft_s]):
+    drafts = list(draft_s.values()) if isinstance(draft_s, dict) else [draft_s]
+    if not all(v > 0 for v in list(target_s.values()) + drafts):
         raise ValueError(f"step costs must be positive seconds, got target {target_s}, draft {draft_s}")
     rates = {c.label: tokens_per_s(c, target_s, draft_s) for c in candidates}
     top = candidates[0]
@@ -221,13 +271,14 @@ def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int
     return top, rates
 
 
-def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float], draft_s: float,
-                    variant: str) -> str:
+def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float],
+                    draft_s: dict[int, float], variant: str) -> str:
     """The reason ``mode="auto"`` reports for a measured choice: the step costs (ms), each
     candidate's expected tokens/s and the winner."""
-    rows = sorted(target_s)
-    ms = "/".join(f"{target_s[r] * 1e3:.1f}" for r in rows)
+    def costs(times: dict[int, float]) -> str:
+        rows = sorted(times)
+        return f"{'/'.join(map(str, rows))} rows {'/'.join(f'{times[r] * 1e3:.1f}' for r in rows)} ms"
+
     rated = ", ".join(f"{label} {v:.1f}" for label, v in rates.items())
-    return (f"auto, measured here: target {'/'.join(map(str, rows))} rows {ms} ms, draft 1 row "
-            f"{draft_s * 1e3:.1f} ms (linear layers, {variant}); expected tokens/s with the packaged acceptance "
+    return (f"auto, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); expected tokens/s with the packaged acceptance "
             f"trace's priors: {rated}: {top.label} fastest ({top.tokens_per_step:.2f} tokens a verification)")
