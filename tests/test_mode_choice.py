@@ -131,13 +131,13 @@ def _costs(target_ms, draft_ms):
     ((10, 20, 30, 40), 5, "autoregressive"),  # a row costs as much as a step: nothing pays
     ((10, 10.5, 11, 11.5), 20, "ngram"),  # rows nearly free, the draft dear: proposals without it
     ((10, 10.5, 11, 11.5), 1, "serial"),  # rows nearly free, the draft cheap: the deepest chain
-    # rows nearly free, the draft at 2/5 of a step: one draft forward a verification beside n-gram
-    # rows beats both a deeper draft chain (dearer) and n-gram alone (fewer tokens)
-    ((10, 10.2, 10.4, 10.6), 4, "hybrid"),
-    ((10, 10.2, 10.4, 10.6), 6, "ngram"),  # the draft dearer still: hybrid loses to n-gram alone
-    # a Zen 4's measured costs: hybrid is expected fastest with the draft at one row's cost for
-    # any rows, while its catch-up forwards over 2-3 rows make n-gram alone as fast
-    ((30.5, 33.8, 37.7, 42.8), 8.9, "hybrid"),
+    # two rows cost one, a third 10 % more, the draft at 3/10 of a step: one draft forward a
+    # verification beside n-gram rows beats a deeper draft chain (its third row and second
+    # forward) and n-gram alone (fewer tokens) by more than the margin
+    ((10, 10, 11, 11), 3, "hybrid"),
+    ((10, 10.2, 10.4, 10.6), 6, "ngram"),  # rows nearly free, the draft dear: n-gram alone
+    # a Zen 4's measured costs, the draft's catch-up forwards over 2-3 rows dearer than one row:
+    # n-gram alone is within the margin of every draft mode
     ((30.5, 33.8, 37.7, 42.8), (8.9, 11.0, 13.0, 15.0), "ngram"),
 ])
 def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
@@ -169,7 +169,8 @@ def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
 
 
 def test_a_deeper_candidate_must_win_by_the_margin():
-    """A later (deeper) candidate replaces the pick only when expected faster by more than MARGIN."""
+    """A later (deeper) candidate is picked only when expected faster than every simpler one by
+    more than MARGIN, not only than the pick so far."""
     a = mc.Candidate("autoregressive", "autoregressive", {}, 1.0, {1: 1.0})
     b = mc.Candidate("serial", "serial b", {"bs": 2, "d": 1}, 1.0, {2: 1.0}, 1)
     target_s, draft_s = {1: 0.100, 2: 0.050}, 0.0475  # b: 1 / 0.0975 s = 2.6 % faster than a
@@ -178,6 +179,12 @@ def test_a_deeper_candidate_must_win_by_the_margin():
     top, _ = mc.best([a, b], target_s, 0.040)  # b: 1 / 0.090 s = 11 % faster
     assert top is b
     assert mc.best([a, b], target_s, draft_s, margin=0.0)[0] is b
+    # c is 4 % faster than a, d 7.5 % faster than a but 3.4 % faster than c: c, the simplest
+    # within the margin of the fastest (d beat a, the pick a step-by-step walk would hold)
+    c = mc.Candidate("ngram", "ngram c", {}, 1.04, {1: 1.0})
+    d = mc.Candidate("serial", "serial d", {"bs": 2, "d": 1}, 1.075 * 0.0975 / 0.1, {2: 1.0}, 1)
+    top, rates = mc.best([a, c, d], target_s, draft_s)
+    assert rates["serial d"] > rates["autoregressive"] * (1 + mc.MARGIN) and top is c
 
 
 def test_cost_model_rejects_bad_costs():

@@ -42,10 +42,10 @@ NGRAM_TOKENS = (1, 2, 3)
 # rows (the measured target costs reach 4 rows), so the row budget never cuts either chain
 HYBRID_SHAPES = ((1, 1), (1, 2), (2, 1))
 HYBRID_ROWS = 4
-# a candidate later in the list (more rows or draft forwards) replaces the current pick only when
-# it is expected to be this much faster: the estimate leaves out attention, norms and host time,
-# which grow with the rows and forwards, and its timings vary by a few percent between starts
-# (the kernel self-tuning asks the same of a kernel, swiftspec.ops.tuning.MARGIN)
+# the pick is the simplest candidate (the earliest in the list: fewest rows and draft forwards)
+# expected within this fraction of the fastest one: the estimate leaves out attention, norms and
+# host time, which grow with the rows and forwards, and its timings vary by a few percent between
+# starts (the kernel self-tuning asks the same of a kernel, swiftspec.ops.tuning.MARGIN)
 MARGIN = 0.05
 
 
@@ -254,21 +254,19 @@ def tokens_per_s(c: Candidate, target_s: dict[int, float], draft_s: dict[int, fl
 
 def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int, float],
          draft_s: dict[int, float] | float, margin: float = MARGIN) -> tuple[Candidate, dict[str, float]]:
-    """The candidate of most expected tokens/s, where a later candidate (the list runs from the
-    simplest mode to the deepest tree) replaces the pick so far only when it is expected to be
-    faster by more than ``margin`` (a fraction); and every candidate's label -> tokens/s. Raises
-    ValueError for no candidates, or a step cost that is not a positive number of seconds."""
+    """The simplest candidate (the list runs from the simplest mode to the deepest tree) whose
+    expected tokens/s are within ``margin`` (a fraction) of the fastest candidate's, so a deeper
+    one is picked only when it beats every simpler one by more than the margin; and every
+    candidate's label -> tokens/s. Raises ValueError for no candidates, or a step cost that is
+    not a positive number of seconds."""
     if not candidates:
         raise ValueError("no candidate modes")
     drafts = list(draft_s.values()) if isinstance(draft_s, dict) else [draft_s]
     if not all(v > 0 for v in list(target_s.values()) + drafts):
         raise ValueError(f"step costs must be positive seconds, got target {target_s}, draft {draft_s}")
     rates = {c.label: tokens_per_s(c, target_s, draft_s) for c in candidates}
-    top = candidates[0]
-    for c in candidates[1:]:
-        if rates[c.label] > rates[top.label] * (1 + margin):
-            top = c
-    return top, rates
+    fastest = max(rates.values())
+    return next(c for c in candidates if rates[c.label] * (1 + margin) >= fastest), rates
 
 
 def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float],
