@@ -34,6 +34,8 @@ from server_proc import _alive, metric
 KEY = "sk-attack"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "The quick brown fox"}]
+# a request that runs to its max_tokens on a real model too (USER's answer may end in a few tokens)
+LONG_USER = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
 FAULT_SEED = 1 << 70  # seeds from here pass the edge in serve_with_fault (the edge refuses >= 2^63)
 # the edge's timeouts, small so a case takes seconds: a stream's write, a request head (they bound
 # what a client may hold, not engine time, so any model runs under them), and the key
@@ -139,7 +141,7 @@ def gone_while_queued(url: str, server) -> dict:
     (counted by the server; the client is gone), costing no engine time."""
     before = _requests_with_status(url, 499)
     # the deadline bounds the long request on a slow model
-    long = threading.Thread(target=_post, args=(url, {"messages": USER, "max_tokens": 400, "temperature": 0,
+    long = threading.Thread(target=_post, args=(url, {"messages": LONG_USER, "max_tokens": 400, "temperature": 0,
                                                       "timeout_s": 10}))
     long.start()
     time.sleep(0.3)
