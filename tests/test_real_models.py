@@ -101,19 +101,16 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-# mode -> (datasets, greedy tokens): serial (the draft-model mode auto weighs) on every dataset at
-# 128 tokens; async and ngram on three each at 64, so every dataset goes through two modes and
-# every mode past its first re-roots (the pipeline modes below also stop at 64). All three modes
-# on all six datasets at 128 tokens took twice as long
-GREEDY_RUNS = {"serial": (DATASETS, 128), "async": (DATASETS[:3], 64), "ngram": (DATASETS[3:], 64)}
+# serial (the default's speculative mode) on every dataset; async and ngram on three each, every
+# dataset through two modes: all three on all six took a third longer and proves no more
+GREEDY_RUNS = {"serial": DATASETS, "async": DATASETS[:3], "ngram": DATASETS[3:]}
 
 
 def test_greedy_equals_autoregressive_on_six_datasets(pair, reference):
-    """Greedy tokens per dataset (first prompt, chat template; :data:`GREEDY_RUNS`), default
-    configuration (native GGUF weights, kernels on): ``serial`` on all six datasets (128 tokens),
-    ``async`` (the target on one core, the reference on two) on three and ``ngram`` on the other
-    three (64 tokens) give exactly the target's own output (the first tokens of :func:`reference`),
-    no near-tie allowance: every op of a decode step is batch invariant and thread-count
+    """128 greedy tokens per dataset (first prompt, chat template), default configuration (native
+    GGUF weights, kernels on): ``serial`` on all six datasets, ``async`` (the target on one core,
+    the reference on two) on three and ``ngram`` (what ``auto`` runs with the AVX2 kernel) on the
+    other three give exactly the target's own output, no near-tie allowance: every op of a decode step is batch invariant and thread-count
     invariant (quantized GEMM, tree attention, RMSNorm). The log-probabilities the target reports
     (and their alternatives) are bit-identical too. The ``serial`` engine also answers a coding
     question sensibly (a function with a return), with the draft's proposals accepted."""
@@ -121,9 +118,9 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair, reference):
 
     target, draft = pair
     prompts = _first_prompts()
+    params = SamplingParams(max_tokens=128, logprobs=2)
     outs = {}
-    for name, (datasets, n) in GREEDY_RUNS.items():
-        params = SamplingParams(max_tokens=n, logprobs=2)
+    for name, datasets in GREEDY_RUNS.items():
         with Engine(target, draft, mode=name) as eng:
             outs[name] = {ds: eng.generate([{"role": "user", "content": prompts[ds]}], params) for ds in datasets}
             if name == "serial":
@@ -132,19 +129,21 @@ def test_greedy_equals_autoregressive_on_six_datasets(pair, reference):
     assert "def " in answer.text and "return" in answer.text
     assert answer.metrics.compression_ratio > 1.5
     # the draft proposes on every dataset; prompt lookup where the answer repeats its context
-    assert max(outs["ngram"][ds].metrics.compression_ratio for ds in GREEDY_RUNS["ngram"][0]) > 1.3
-    for name, (datasets, n) in GREEDY_RUNS.items():
+    assert max(outs["ngram"][ds].metrics.compression_ratio for ds in GREEDY_RUNS["ngram"]) > 1.3
+    for name, datasets in GREEDY_RUNS.items():
         for ds in datasets:
-            a, b = reference[ds].token_ids[:n], outs[name][ds].token_ids
+            a, b = reference[ds].token_ids, outs[name][ds].token_ids
             assert name == "ngram" or outs[name][ds].metrics.compression_ratio > 1.5, (name, ds)
             assert a == b, f"{name}, {ds}: differs from the target at token {_first_difference(a, b)}"
-            assert outs[name][ds].logprobs == reference[ds].logprobs[:n], (name, ds)
+            assert outs[name][ds].logprobs == reference[ds].logprobs, (name, ds)
 
 
-# every pipeline mode and stage count on two datasets, every dataset through one of them or more and
-# each mode on four (the 2 x 2 grid on all six datasets took three times as long and proves no more)
-PIPELINE_RUNS = [("pipedec", 2, ["mt_bench", "alpaca"]), ("pipeinfer", 3, ["humaneval", "sum"]),
-                 ("pipedec", 3, ["gsm8k", "qa"]), ("pipeinfer", 2, ["mt_bench", "gsm8k"])]
+# every pipeline mode and stage count on one dataset, four datasets in all: what these runs add to
+# the greedy test above is the stage protocol on real weights (the draft's tokens used, the stages'
+# hand-offs), which the tiny-model pipeline tests check on every path; two datasets per run took
+# 1.8 times as long on a Zen 4 (82 s for the four)
+PIPELINE_RUNS = [("pipedec", 2, ["alpaca"]), ("pipeinfer", 3, ["humaneval"]),
+                 ("pipedec", 3, ["qa"]), ("pipeinfer", 2, ["gsm8k"])]
 
 
 @pytest.mark.parametrize("mode,stages,datasets", PIPELINE_RUNS, ids=[f"{m}-{s}" for m, s, _ in PIPELINE_RUNS])
