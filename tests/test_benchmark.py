@@ -204,6 +204,7 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
     for r in recs:  # each model's busy time and forwards (the component table's host-overhead column)
         assert r["target_forwards"] >= 1 and 0 < r["target_busy_s"] <= r["decode_s"] + r["ttft_s"]
         assert ("draft_forwards" in r) == (r["system"] != "autoregressive")
+        assert r["kernels"]["quant_gemm"]  # what the engine's workers ran (the bench process runs no model)
     md = markdown(recs)
     assert "| autoregressive |" in md and md.index("| swiftspec-profiled[deep] |") < md.index(
         "| swiftspec-profiled[shallow] |")  # rows in SYSTEMS order, a system's configurations by name

@@ -172,7 +172,8 @@ def _request_record(s: str, out: tuple, p: float, ds: str, ranks, dtype: str, de
     """One request's record: system ``s``'s ``out`` (token ids, metrics) on a ``ds`` prompt at
     degradation ``p`` (``ranks``: the replayed acceptance or None); times in seconds.
     ``matches_target`` compares with :func:`reference_system`'s tokens (None when replayed or no
-    reference ran)."""
+    reference ran); a SwiftSpec engine's record also has its configuration's shape (``engine``)
+    and the kernels its workers ran (``kernels``: the quantized GEMM's variant and why)."""
     toks, m = out
     ref = None if ranks is not None else reference_system(s, started, by_system)  # replayed: not the target's
     return {"system": s if p == 0 else f"{s}[p={p:g}]", "dataset": ds, "dtype": dtype,
@@ -185,7 +186,7 @@ def _request_record(s: str, out: tuple, p: float, ds: str, ranks, dtype: str, de
             "reference": ref, "ran": m.mode,
             "draft_stalls": m.draft.get("stall_expansions"),
             "target_wait_s": m.target.get("wait_s"), **busy_record(m), **pipeline_record(m),
-            **({"engine": started[s].shape} if isinstance(started.get(s), EngineSystem) else {}),
+            **({"engine": started[s].shape, "kernels": m.kernels} if isinstance(started.get(s), EngineSystem) else {}),
             **({"peer": started[s].settings} if getattr(started.get(s), "settings", None) else {})}
 
 
