@@ -42,8 +42,8 @@ NGRAM_TOKENS = (1, 2, 3)
 # rows (the measured target costs reach 4 rows), so the row budget never cuts either chain
 HYBRID_SHAPES = ((1, 1), (1, 2), (2, 1))
 HYBRID_ROWS = 4
-# the pick is the simplest candidate (the earliest in the list: fewest rows and draft forwards)
-# expected within this fraction of the fastest one: the estimate leaves out attention, norms and
+# the pick is the simplest candidate (the earliest in the list, which runs from the target alone
+# through n-gram and the draft trees to hybrid) expected within this fraction of the fastest one: the estimate leaves out attention, norms and
 # host time, which grow with the rows and forwards, and its timings vary by a few percent between
 # starts (the kernel self-tuning asks the same of a kernel, swiftspec.ops.tuning.MARGIN)
 MARGIN = 0.05
@@ -123,7 +123,7 @@ def tree_catch_up_mix(ranks: list[list[int | None]], widths: tuple[int, ...]) ->
     """Rows of the draft's first forward per verification (:func:`catch_up_rows`) -> fraction of
     verifications, over :func:`tree_tokens_per_step`'s replay (the draft expands ``len(widths)``
     times a verification). Raises ValueError as :func:`tree_tokens_per_step` does."""
-    tree_tokens_per_step(ranks, widths)
+    tree_tokens_per_step(ranks, widths)  # the same checks
     counts: dict[int, int] = {}
     walk = list(_tree_walk(ranks, widths))
     for step, accepted in walk:
@@ -161,8 +161,9 @@ def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | 
     ``depth`` deep and prompt-lookup proposals (``params.tokens`` at most) hung from the same root
     (:func:`swiftspec.spec_decode.hybrid.merge_chain`), the fraction of verifications per target
     rows, and per rows of the draft's catch-up forward (:func:`catch_up_rows`: the accepted
-    n-gram tokens past the draft chain's run are new to the draft), replayed greedily over ``(prompt_ids, tokens, ranks)`` triples (``tokens[0]``:
-    the prefill's; ``ranks[i]``: the draft's rank of ``tokens[i]``, None past the ranks kept).
+    n-gram tokens past the draft chain's run are new to the draft), replayed greedily over
+    ``(prompt_ids, tokens, ranks)`` triples (``tokens[0]``: the prefill's; ``ranks[i]``: the
+    draft's rank of ``tokens[i]``, None past the ranks kept).
 
     Exact for the tokens: the walk descends while the target's token is a child, so a verification
     accepts the longer of the draft chain's run of rank-0 tokens (up to ``depth``) and the n-gram
@@ -272,11 +273,15 @@ def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int
 def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float],
                     draft_s: dict[int, float], variant: str) -> str:
     """The reason ``mode="auto"`` reports for a measured choice: the step costs (ms), each
-    candidate's expected tokens/s and the winner."""
+    candidate's expected tokens/s and the pick (:func:`best`)."""
     def costs(times: dict[int, float]) -> str:
         rows = sorted(times)
         return f"{'/'.join(map(str, rows))} rows {'/'.join(f'{times[r] * 1e3:.1f}' for r in rows)} ms"
 
     rated = ", ".join(f"{label} {v:.1f}" for label, v in rates.items())
-    return (f"auto, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); expected tokens/s with the packaged acceptance "
-            f"trace's priors: {rated}: {top.label} fastest ({top.tokens_per_step:.2f} tokens a verification)")
+    fastest = max(rates, key=rates.get)
+    pick = (f"{top.label} fastest" if fastest == top.label else
+            f"{top.label} picked, the simplest within {MARGIN:.0%} of the fastest ({fastest})")
+    return (f"auto, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); "
+            f"expected tokens/s with the packaged acceptance trace's priors: {rated}: {pick} "
+            f"({top.tokens_per_step:.2f} tokens a verification)")
