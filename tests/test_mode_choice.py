@@ -305,3 +305,22 @@ def test_the_new_tree_shapes_run_and_keep_the_targets_tokens(pair):
         with Engine(str(target), str(draft), mode=c.mode, dtype="float32", target_cores=[0], draft_cores=[0],
                     draft_payback=False, **c.fields) as e:
             assert e.generate(prompt, params).token_ids == want, c.label
+
+
+def test_a_configured_hybrid_takes_its_shape_from_the_measured_costs():
+    """``mode="hybrid"`` without a shape of its own runs the hybrid shape the cost model expects
+    fastest here (a draft chain and n-gram tokens within 4 rows), not the tree defaults sized for
+    a GPU (bs 8, w 2); with a shape of its own, float weights or no measurement, as configured."""
+    hybrid = config.EngineConfig(mode="hybrid")
+    for target_ms, draft_ms in (((10, 10, 11, 11), 3), ((30.5, 33.8, 37.7, 42.8), (8.9, 11.0, 13.0, 15.0))):
+        costs = _costs(target_ms, draft_ms)  # the second: auto would run ngram; hybrid stays hybrid
+        top, _ = mc.best([c for c in mc.priors() if c.mode == "hybrid"], costs.target_s, costs.draft_s)
+        mode, why, fields = mode_selection.choose_mode(hybrid, True, None, 0, costs)
+        assert mode == "hybrid" and fields == top.fields and fields["hybrid_rows"] == mc.HYBRID_ROWS
+        assert why.startswith("hybrid as configured, its shape, measured here") and top.label in why
+    costs = _costs((10, 10, 11, 11), 3)
+    for cfg, native, c in ((config.EngineConfig(mode="hybrid", bs=6), True, costs),
+                           (config.EngineConfig(mode="hybrid", ngram_tokens=3), True, costs),
+                           (hybrid, True, None), (hybrid, False, costs),
+                           (config.EngineConfig(mode="serial"), True, costs)):
+        assert mode_selection.choose_mode(cfg, native, None, 0, c) == (cfg.mode, "as configured", {})

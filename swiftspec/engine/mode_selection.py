@@ -50,7 +50,10 @@ def _available_cores() -> list[int]:
 
 def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dict | None = None, gpus: int = 0,
                 step_costs=None) -> tuple[str, str, dict]:
-    """The mode to run and why: ``config.mode`` unless it is "auto".
+    """The mode to run and why: ``config.mode`` unless it is "auto" (a configured ``hybrid``
+    without a tree or n-gram shape of its own, on GGUF blocks, takes the hybrid shape the
+    ``step_costs`` make fastest, the reason starting "hybrid as configured, its shape, measured
+    here"; the tree defaults are sized for a GPU's 8-row verifications).
 
     "auto" takes the mode that ``swiftspec profile`` measured fastest on this machine and model
     pair when one is stored (``profiled``, :func:`swiftspec.engine.machine_profile.cached_profile`).
@@ -99,6 +102,9 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
     choice its tree, ``ngram_tokens`` and ``hybrid_rows`` unless the configuration sets any of them.
     """
     if config.mode != "auto":
+        if (config.mode == "hybrid" and step_costs is not None and target_native and config.weights == "native"
+                and not _user_tree(config) and not _user_ngram(config)):
+            return _measured_mode(config, step_costs, False, only="hybrid")
         return config.mode, "as configured", {}
     if config.pipeline_stages > 1:
         return "pipedec", f"auto: {config.pipeline_stages} pipeline stages", {}
@@ -137,16 +143,25 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
     return "serial", f"auto, rule: {cores} cores share one memory bus, where serial measured faster than async", {}
 
 
-def _measured_mode(config: EngineConfig, costs, own_tree: bool) -> tuple[str, str, dict]:
+def _user_ngram(config: EngineConfig) -> bool:
+    """Whether the configuration sets the n-gram chain's tokens or hybrid's row budget."""
+    dflt = EngineConfig()
+    return config.ngram_tokens != dflt.ngram_tokens or config.hybrid_rows != dflt.hybrid_rows
+
+
+def _measured_mode(config: EngineConfig, costs, own_tree: bool, only: str | None = None) -> tuple[str, str, dict]:
     """choose_mode's pick from this machine's step costs (:mod:`swiftspec.spec_decode.mode_choice`);
-    a shape the configuration sets wins over the candidate's."""
+    a shape the configuration sets wins over the candidate's. ``only``: weigh that mode's shapes
+    alone (a configured ``hybrid``: its draft chain and n-gram tokens, budgeted by the row costs
+    measured here rather than the tree defaults, which are sized for a GPU)."""
     from swiftspec.spec_decode import mode_choice
 
     cands = mode_choice.priors(ngram=NgramParams(config.ngram_min, config.ngram_max, 1))
+    cands = [c for c in cands if only is None or c.mode == only]
     top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s)
-    why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s, costs.variant)
-    own_ngram = config.ngram_tokens != EngineConfig().ngram_tokens or config.hybrid_rows != EngineConfig().hybrid_rows
-    own = {"serial": own_tree, "ngram": own_ngram, "hybrid": own_tree or own_ngram}.get(top.mode, False)
+    why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s, costs.variant,
+                                      "auto" if only is None else f"{only} as configured, its shape")
+    own = {"serial": own_tree, "ngram": _user_ngram(config), "hybrid": own_tree or _user_ngram(config)}.get(top.mode, False)
     return top.mode, why, {} if own else dict(top.fields)
 
 
@@ -156,7 +171,8 @@ def resolve_mode(config: EngineConfig, target_path: Path, draft, cache_dir, gpus
     ``swiftspec profile`` of the pair (:func:`swiftspec.engine.machine_profile.cached_profile`,
     keyed by both models: the default draft's directory where ``draft`` is None, not fetched)
     and, where those decide (auto, no profile, CPU, one pipeline stage, native weights, kernels
-    on, one NUMA node), the pair's step costs measured here
+    on, one NUMA node; or a configured ``hybrid`` on the CPU without a shape of its own), the
+    pair's step costs measured here
     (:func:`swiftspec.model_executor.step_costs.measure_step_costs`; None under
     ``SWIFTSPEC_KERNEL_TUNING=0``). ``gpus``: the GPUs the engine uses (0 on the CPU).
 
@@ -179,5 +195,14 @@ def resolve_mode(config: EngineConfig, target_path: Path, draft, cache_dir, gpus
             from swiftspec.model_executor.step_costs import measure_step_costs
 
             step_costs = measure_step_costs(target_path, draft_dir, config.draft_vocab)
+    elif (config.mode == "hybrid" and not gpus and config.weights == "native" and config.kernels
+          and not _user_tree(config) and not _user_ngram(config)):
+        from swiftspec.model_executor.step_costs import measure_step_costs
+        from swiftspec.weights.default_pair import default_model_dir
+        from swiftspec.weights.loader import resolve_model
+
+        draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
+        step_costs = measure_step_costs(target_path, draft_path or default_model_dir("draft", cache_dir),
+                                        config.draft_vocab)
     mode, reason, tree = choose_mode(config, bool(native_types(target_path)), profiled, gpus, step_costs)
     return mode, reason, tree, draft_path

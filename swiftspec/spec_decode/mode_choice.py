@@ -271,9 +271,10 @@ def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int
 
 
 def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float],
-                    draft_s: dict[int, float], variant: str) -> str:
-    """The reason ``mode="auto"`` reports for a measured choice: the step costs (ms), each
-    candidate's expected tokens/s and the pick (:func:`best`)."""
+                    draft_s: dict[int, float], variant: str, chooser: str = "auto") -> str:
+    """The reason ``mode="auto"`` (``chooser``; a configured mode's shape: e.g. "hybrid as
+    configured, its shape") reports for a measured choice: the step costs (ms), each candidate's
+    expected tokens/s and the pick (:func:`best`)."""
     def costs(times: dict[int, float]) -> str:
         rows = sorted(times)
         return f"{'/'.join(map(str, rows))} rows {'/'.join(f'{times[r] * 1e3:.1f}' for r in rows)} ms"
@@ -282,6 +283,6 @@ def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int,
     fastest = max(rates, key=rates.get)
     pick = (f"{top.label} fastest" if fastest == top.label else
             f"{top.label} picked, the simplest within {MARGIN:.0%} of the fastest ({fastest})")
-    return (f"auto, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); "
+    return (f"{chooser}, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); "
             f"expected tokens/s with the packaged acceptance trace's priors: {rated}: {pick} "
             f"({top.tokens_per_step:.2f} tokens a verification)")
