@@ -62,7 +62,7 @@ def render(record) -> str:
         on_gpu = any(r.get("device") == "cuda" for r in record["records"])
         where = (f"{m.get('gpu', 'a GPU')} (host: {m['cpu']}, {m['cores']} cores)" if on_gpu else
                  f"{m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), {m['cores']} cores, kernels "
-                 + ", ".join(f"{op} `{isa}`" for op, isa in _kernels(record).items()))
+                 + ", ".join(f"{op} `{isa}`" for op, isa in (_engine_kernels(record) or m["isa"]).items()))
         return f"`{_command(record)}` on {where}\n\n" + render(record["records"])
     if isinstance(record, dict) and "table" in record:  # a swiftspec bench table kept as printed (e2e.md)
         cols = list(record["table"][0])
@@ -230,21 +230,21 @@ def _command(record: dict) -> str:
     return " ".join(env + [re.sub(r" --out \S+", "", record["command"])])
 
 
-def _kernels(record: dict) -> dict:
-    """The CPU kernels a ``swiftspec bench --out`` record's engines ran: the first SwiftSpec
-    engine's (its workers' self-tuned variant), else the bench process's own dispatch (records
-    written before the engines' kernels were recorded, or runs of peers only)."""
-    return next((r["kernels"] for r in record["records"] if r.get("kernels")), record["machine"]["isa"])
+def _engine_kernels(record: dict) -> dict | None:
+    """The CPU kernels a ``swiftspec bench --out`` record's first SwiftSpec engine ran (its workers'
+    self-tuned variant and why); None where no record has them (older records, peers only: the
+    bench process's own dispatch, ``machine.isa``, stands in)."""
+    return next((r["kernels"] for r in record["records"] if r.get("kernels")), None)
 
 
 def _machine(record: dict, records: list[dict]) -> str:
     """One line: the hardware, software and workload of a ``swiftspec bench --out`` record."""
     m = record["machine"]
     host = f"{m['cores']} cores of an {m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']})"
-    kernels = _kernels(record) or {}
-    ran = any(r.get("kernels") for r in record["records"])  # the engines' own, with their variant
-    variant = (f" (`{kernels['quant_gemm_variant']}`, {kernels.get('quant_gemm_choice', 'rule')})"
-               if ran and "quant_gemm_variant" in kernels else "")
+    ran = _engine_kernels(record)
+    kernels = ran or m["isa"] or {}
+    variant = (f" (`{ran['quant_gemm_variant']}`, {ran.get('quant_gemm_choice', 'rule')})"
+               if ran and "quant_gemm_variant" in ran else "")
     where = (f"{m['gpu']}, host {host}" if "gpu" in m else f"{host}, quantized GEMM kernel `{kernels['quant_gemm']}`{variant}")
     soft = f"torch {m['torch']}" + (f", llama-cpp-python {m['llama_cpp']['version']}" if m.get("llama_cpp") else "")
     ar = [r for r in records if r["system"] == records[0]["system"]]

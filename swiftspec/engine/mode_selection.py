@@ -102,8 +102,7 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
     choice its tree, ``ngram_tokens`` and ``hybrid_rows`` unless the configuration sets any of them.
     """
     if config.mode != "auto":
-        if (config.mode == "hybrid" and step_costs is not None and target_native and config.weights == "native"
-                and not _user_tree(config) and not _user_ngram(config)):
+        if _hybrid_shaped_by_costs(config) and step_costs is not None and target_native and config.weights == "native":
             return _measured_mode(config, step_costs, False, only="hybrid")
         return config.mode, "as configured", {}
     if config.pipeline_stages > 1:
@@ -149,6 +148,12 @@ def _user_ngram(config: EngineConfig) -> bool:
     return config.ngram_tokens != dflt.ngram_tokens or config.hybrid_rows != dflt.hybrid_rows
 
 
+def _hybrid_shaped_by_costs(config: EngineConfig) -> bool:
+    """Whether ``config`` is a configured ``hybrid`` that leaves its shape (tree, n-gram tokens,
+    row budget) to the measured step costs."""
+    return config.mode == "hybrid" and not _user_tree(config) and not _user_ngram(config)
+
+
 def _measured_mode(config: EngineConfig, costs, own_tree: bool, only: str | None = None) -> tuple[str, str, dict]:
     """choose_mode's pick from this machine's step costs (:mod:`swiftspec.spec_decode.mode_choice`);
     a shape the configuration sets wins over the candidate's. ``only``: weigh that mode's shapes
@@ -182,27 +187,21 @@ def resolve_mode(config: EngineConfig, target_path: Path, draft, cache_dir, gpus
     from swiftspec.model_executor.models.llama import native_types
 
     profiled = draft_path = step_costs = None
-    if config.mode == "auto":
-        from swiftspec.engine.machine_profile import cached_profile
+    shaped = _hybrid_shaped_by_costs(config)
+    if config.mode == "auto" or shaped:
         from swiftspec.weights.default_pair import default_model_dir
         from swiftspec.weights.loader import resolve_model
 
         draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
         draft_dir = draft_path or default_model_dir("draft", cache_dir)
-        profiled = cached_profile(target_path, draft_dir, cache_dir)
-        if (profiled is None and not gpus and config.pipeline_stages == 1 and config.weights == "native"
-                and config.kernels and _numa_nodes() < 2):
+        if config.mode == "auto":
+            from swiftspec.engine.machine_profile import cached_profile
+
+            profiled = cached_profile(target_path, draft_dir, cache_dir)
+        if (not gpus and config.weights == "native" and config.kernels
+                and (shaped or (profiled is None and config.pipeline_stages == 1 and _numa_nodes() < 2))):
             from swiftspec.model_executor.step_costs import measure_step_costs
 
             step_costs = measure_step_costs(target_path, draft_dir, config.draft_vocab)
-    elif (config.mode == "hybrid" and not gpus and config.weights == "native" and config.kernels
-          and not _user_tree(config) and not _user_ngram(config)):
-        from swiftspec.model_executor.step_costs import measure_step_costs
-        from swiftspec.weights.default_pair import default_model_dir
-        from swiftspec.weights.loader import resolve_model
-
-        draft_path = resolve_model(draft, "draft", cache_dir) if draft is not None else None
-        step_costs = measure_step_costs(target_path, draft_path or default_model_dir("draft", cache_dir),
-                                        config.draft_vocab)
     mode, reason, tree = choose_mode(config, bool(native_types(target_path)), profiled, gpus, step_costs)
     return mode, reason, tree, draft_path

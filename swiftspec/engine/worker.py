@@ -296,7 +296,7 @@ def _lead(spec: WorkerSpec, runners, engine: Connection, followers: list[Connect
             if msg[0] == "cancel":  # arrived after its request had finished
                 continue
             if msg[0] == "ping":  # the engine's liveness check between requests, passed on to the followers
-                engine.send(("pong", spec.kind, ping_followers(followers, msg[1] if len(msg) > 1 else 1.0)))
+                engine.send(("pong", spec.kind, ping_followers(followers, msg[1])))
                 continue
             req = msg[1]
             for r in runners.values():

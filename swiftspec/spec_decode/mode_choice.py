@@ -81,9 +81,12 @@ def _mix(counts: dict[int, int], steps: int) -> dict[int, float]:
     return {r: n / steps for r, n in sorted(counts.items())}
 
 
-def _tree_walk(ranks: list[list[int | None]], widths: tuple[int, ...]):
-    """Yield ``(step, accepted)`` per verification of :func:`tree_tokens_per_step`'s replay:
-    tokens it yields and proposals among them."""
+def _tree_walk(ranks: list[list[int | None]], widths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(step, accepted)`` per verification of :func:`tree_tokens_per_step`'s replay: tokens it
+    yields and proposals among them. Raises ValueError as :func:`tree_tokens_per_step` does."""
+    if not widths:
+        raise ValueError("a tree needs at least one depth")
+    walk = []
     for seq in ranks:
         i = 0
         while i + 1 < len(seq):
@@ -91,8 +94,11 @@ def _tree_walk(ranks: list[list[int | None]], widths: tuple[int, ...]):
             while j < len(widths) and i + 1 + j < len(seq) and seq[i + 1 + j] is not None and seq[i + 1 + j] < widths[j]:
                 j += 1
             step = min(j + 1, len(seq) - 1 - i)
-            yield step, j
+            walk.append((step, j))
             i += step
+    if not walk:
+        raise ValueError("no positions to decode in the recorded ranks")
+    return walk
 
 
 def catch_up_rows(step: int, accepted: int, depth: int) -> int:
@@ -111,11 +117,7 @@ def tree_tokens_per_step(ranks: list[list[int | None]], widths: tuple[int, ...])
     is the prefill's token, the first root). Each verification accepts the longest run of tokens
     whose ranks fit the widths, then the target's own token; the next root is that token.
     Raises ValueError without positions to decode or with an empty ``widths``."""
-    if not widths:
-        raise ValueError("a tree needs at least one depth")
-    walk = list(_tree_walk(ranks, widths))
-    if not walk:
-        raise ValueError("no positions to decode in the recorded ranks")
+    walk = _tree_walk(ranks, widths)
     return sum(step for step, _ in walk) / len(walk)
 
 
@@ -123,9 +125,8 @@ def tree_catch_up_mix(ranks: list[list[int | None]], widths: tuple[int, ...]) ->
     """Rows of the draft's first forward per verification (:func:`catch_up_rows`) -> fraction of
     verifications, over :func:`tree_tokens_per_step`'s replay (the draft expands ``len(widths)``
     times a verification). Raises ValueError as :func:`tree_tokens_per_step` does."""
-    tree_tokens_per_step(ranks, widths)  # the same checks
     counts: dict[int, int] = {}
-    walk = list(_tree_walk(ranks, widths))
+    walk = _tree_walk(ranks, widths)
     for step, accepted in walk:
         r = catch_up_rows(step, accepted, len(widths))
         counts[r] = counts.get(r, 0) + 1
@@ -189,7 +190,7 @@ def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | 
             proposer.extend(out[i + 1:i + 1 + step])
             r = 1 + depth + len(prop) - min(a, b)
             rows[r] = rows.get(r, 0) + 1
-            c = catch_up_rows(step, min(a, step), depth)
+            c = catch_up_rows(step, a, depth)
             catch_up[c] = catch_up.get(c, 0) + 1
             steps, tokens, i = steps + 1, tokens + step, i + step
     if not steps:
