@@ -120,7 +120,7 @@ def test_rows_are_batch_and_thread_invariant(t):
         torch.set_num_threads(1)
         alone = torch.cat([m.quant_linear(x[i:i + 1], [w], [int(t)]) for i in range(16)])
         torch.set_num_threads(max(2, threads))
-        for n in (2, 4, 8, 16):
+        for n in (2, 3, 4, 8, 16):
             for start in range(0, 16, n):
                 assert torch.equal(m.quant_linear(x[start:start + n], [w], [int(t)]), alone[start:start + n])
     finally:
@@ -256,7 +256,7 @@ X8_TYPES = [int(Q.Q4_K), int(Q.Q6_K), int(Q.Q4_0), int(Q.Q5_0), int(Q.Q8_0), qua
 
 
 @pytest.mark.parametrize("t", X8_TYPES, ids=_name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16, 21])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 16, 21])
 def test_interleaved_equals_plain_bit_for_bit(t, rows):
     m = _module()
     k = 768
@@ -295,7 +295,7 @@ def test_interleaved_rows_are_batch_and_thread_invariant(t):
         torch.set_num_threads(1)
         alone = torch.cat([m.quant_linear(x[i:i + 1], [wx], [tx]) for i in range(16)])
         torch.set_num_threads(max(2, threads))
-        for n in (2, 4, 8, 16):
+        for n in (2, 3, 4, 8, 16):
             for start in range(0, 16, n):
                 assert torch.equal(m.quant_linear(x[start:start + n], [wx], [tx]), alone[start:start + n])
     finally:
@@ -360,7 +360,7 @@ def test_16_row_layout_rows_are_batch_and_thread_invariant():
             torch.set_num_threads(1)
             alone = torch.cat([m.quant_linear(x[i:i + 1], [wx], [t | quant.X16], "avx512_vnni_512") for i in range(16)])
             torch.set_num_threads(max(2, threads))
-            for n in (2, 4, 8, 16):
+            for n in (2, 3, 4, 8, 16):
                 for start in range(0, 16, n):
                     y = m.quant_linear(x[start:start + n], [wx], [t | quant.X16], "avx512_vnni_512")
                     assert torch.equal(y, alone[start:start + n]), (t, n, start)

@@ -471,27 +471,37 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
   for (int i = 0; i < MR; ++i) O::storef(r.f[i0 + i], y[i]);
 }
 
-// rows [0, mr) in register sets of kX8Rows, then 4, 2 and 1 rows: fn(std::integral_constant<int, MR>, i0)
+// rows [0, mr) in register sets of kX8Rows, then 4 rows, then the rest as one tile of 3, 2 or 1
+// rows: fn(std::integral_constant<int, MR>, i0). A rest of 3 as a 2-row and a 1-row tile decoded
+// every weight register twice: a 3-row target forward cost as much as a 4-row one (39.4 and 42.2 ms
+// against 35.0 at 2 rows, AMD Zen 4, avx512_vnni; bench/LOG.md, "A 3-row tile").
 template <class Fn>
 static inline void x8_row_tiles(int mr, Fn&& fn) {
   int i0 = 0;
   if constexpr (kX8Rows >= 8)
     for (; i0 + 8 <= mr; i0 += 8) fn(std::integral_constant<int, 8>(), i0);
   for (; i0 + 4 <= mr; i0 += 4) fn(std::integral_constant<int, 4>(), i0);
-  for (; i0 + 2 <= mr; i0 += 2) fn(std::integral_constant<int, 2>(), i0);
-  for (; i0 < mr; ++i0) fn(std::integral_constant<int, 1>(), i0);
+  if (mr - i0 == 3) {
+    fn(std::integral_constant<int, 3>(), i0);
+  } else {
+    for (; i0 + 2 <= mr; i0 += 2) fn(std::integral_constant<int, 2>(), i0);
+    for (; i0 < mr; ++i0) fn(std::integral_constant<int, 1>(), i0);
+  }
 }
+
+// whether x8_row_tiles makes one tile of mr rows
+static inline bool x8_one_tile(int mr) { return mr == 3 || (mr <= kX8Rows && (mr & (mr - 1)) == 0); }
 
 template <class V, int Base>
 static void q0_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {
   x8_row_tiles(mr, [&](auto n, int i0) { q0_x8_rows<V, Base, decltype(n)::value>(grp, nb, gb, r, i0); });
 }
 
-// Q4_K / Q6_K: all blocks per call where x8_row_tiles makes one tile of the rows (a power of two
-// up to kX8Rows), else block by block over the tiles (k_x8_rows)
+// Q4_K / Q6_K: all blocks per call where x8_row_tiles makes one tile of the rows (x8_one_tile),
+// else block by block over the tiles (k_x8_rows)
 template <class V, int Base>
 static void k_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {
-  const int64_t step = mr <= kX8Rows && (mr & (mr - 1)) == 0 ? nb : 1;
+  const int64_t step = x8_one_tile(mr) ? nb : 1;
   for (int64_t b0 = 0; b0 < nb; b0 += step)
     x8_row_tiles(mr, [&](auto n, int i0) { k_x8_rows<V, Base, decltype(n)::value>(grp, b0, b0 + step, gb, r, i0); });
 }
