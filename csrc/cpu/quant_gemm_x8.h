@@ -472,9 +472,9 @@ __attribute__((noinline)) static void q0_x8_rows(const uint8_t* grp, int64_t nb,
 }
 
 // rows [0, mr) in register sets of kX8Rows, then 4 rows, then the rest as one tile of 3, 2 or 1
-// rows: fn(std::integral_constant<int, MR>, i0). A rest of 3 as a 2-row and a 1-row tile decoded
-// every weight register twice: a 3-row target forward cost as much as a 4-row one (39.4 and 42.2 ms
-// against 35.0 at 2 rows, AMD Zen 4, avx512_vnni; bench/LOG.md, "A 3-row tile").
+// rows: fn(std::integral_constant<int, MR>, i0). A rest of 3 as a 2-row and a 1-row tile decodes
+// every weight register twice: 3 rows took longer than 4 (the target's Q4_K gate_up, one thread:
+// 1016 against 909 us; 846 with the 3-row tile; AMD Zen 4, avx512_vnni; bench/LOG.md, "A 3-row tile").
 template <class Fn>
 static inline void x8_row_tiles(int mr, Fn&& fn) {
   int i0 = 0;
