@@ -272,6 +272,10 @@ def _what_ran(system: str, rs: list[dict]) -> str:
     parts = [{"autoregressive": "target alone", "ngram": "`ngram` (prompt lookup)"}.get(mode, f"`{mode}`")]
     if mode in ("serial", "async", "colocated"):
         parts.append(f"bs {eng['bs']}" + (f", d {eng['d']}" if eng.get("d") else ""))
+    if mode == "hybrid" and eng.get("hybrid_rows"):
+        parts.append(f"d {eng['d']}, up to {eng['hybrid_rows']} rows")
+    if eng.get("ngram_tokens"):
+        parts.append(f"{eng['ngram_tokens']} n-gram token{'s' if eng['ngram_tokens'] > 1 else ''}")
     if eng.get("draft_payback") and mode in ("serial", "hybrid"):  # the modes the gate acts in
         parts.append("payback gate")
     if eng.get("draft_sms"):

@@ -197,6 +197,14 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
     assert [(r["engine"]["mode"], r["engine"]["bs"], r["engine"]["d"]) for r in by["swiftspec-profiled[deep]"]] == [
         ("serial", 4, 2)] * 2
     assert {r["engine"]["bs"] for r in by["swiftspec-profiled[shallow]"]} == {2}
+    # why the engine ran its mode, and the proposals' shape where a mode has one
+    assert all("configured" in r["engine"]["mode_reason"] and "ngram_tokens" not in r["engine"]
+               for s, rs in by.items() for r in rs)
+    ngram = {"mode": "ngram", "ngram_tokens": 2, "draft_payback": True}
+    assert _tables()._what_ran("swiftspec-profiled", [{"engine": ngram}]) == "`ngram` (prompt lookup), 2 n-gram tokens"
+    hybrid = {"mode": "hybrid", "d": 1, "hybrid_rows": 4, "ngram_tokens": 2, "draft_payback": True}
+    assert _tables()._what_ran("swiftspec-profiled", [{"engine": hybrid}]) == (
+        "`hybrid`, d 1, up to 4 rows, 2 n-gram tokens, payback gate")
     # lossless whatever the shape; the target itself is compared with nothing ("n/a")
     assert all(r["matches_target"] and r["reference"] == "autoregressive"
                for s, rs in by.items() if s != "autoregressive" for r in rs)

@@ -90,7 +90,12 @@ class EngineSystem:
         c = self.engine.config  # as resolved (mode="auto" and an automatic d decided)
         t = c.tree_params()
         self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d, "target_tp": c.target_tp,
-                      "weights": c.weights, "draft_payback": c.draft_payback, "draft_sms": c.draft_sms}
+                      "weights": c.weights, "draft_payback": c.draft_payback, "draft_sms": c.draft_sms,
+                      "mode_reason": self.engine.mode_reason}
+        if c.mode in ("ngram", "hybrid"):  # the proposals' shape, which auto sets from the measured costs
+            self.shape["ngram_tokens"] = c.ngram_tokens
+        if c.mode == "hybrid":
+            self.shape["hybrid_rows"] = c.hybrid_rows
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see
