@@ -277,6 +277,15 @@ def test_config_and_worker_rows():
     assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "serial").verify_rows == 6  # max(bs, tokens + 1)
     cfg = EngineConfig(mode="hybrid", bs=8, ngram_tokens=3, hybrid_rows=16)
     assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "hybrid").verify_rows == 11
+    # the rows of the mode that runs, not the draft tree's where no tree is verified: the target
+    # alone verifies its root, ngram its chain, hybrid at most hybrid_rows (the default tree's 8
+    # rows made these engines tune their kernels and size their KV and graphs for 8)
+    cfg = EngineConfig(mode="hybrid", ngram_tokens=2)
+    assert cfg.tree_params().bs == 8 and cfg.hybrid_rows == 4
+    assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "hybrid").verify_rows == 4
+    assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "ngram").verify_rows == 3
+    assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "autoregressive").verify_rows == 1
+    assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "pipedec").verify_rows == 8  # not a registered mode: the default
     EngineConfig(mode="serial", hybrid_rows=1)  # only the hybrid mode reads (and checks) the field
 
 

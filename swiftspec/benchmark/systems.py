@@ -69,6 +69,7 @@ class EngineSystem:
         from swiftspec.engine.config import TARGET_ONLY_MODES
         from swiftspec.engine.config import EngineConfig
         from swiftspec.engine.llm_engine import Engine
+        from swiftspec.spec_decode import modes
 
         if config is not None:  # the file decides mode, cores and tree; the run decides the dtype
             cfg = EngineConfig.from_json(config, dtype=dtype, device=device)
@@ -92,10 +93,8 @@ class EngineSystem:
         self.shape = {"mode": c.mode, "bs": t.bs, "w": t.w, "topk": t.topk, "d": c.d, "target_tp": c.target_tp,
                       "weights": c.weights, "draft_payback": c.draft_payback, "draft_sms": c.draft_sms,
                       "mode_reason": self.engine.mode_reason}
-        if c.mode in ("ngram", "hybrid"):  # the proposals' shape, which auto sets from the measured costs
-            self.shape["ngram_tokens"] = c.ngram_tokens
-        if c.mode == "hybrid":
-            self.shape["hybrid_rows"] = c.hybrid_rows
+        if c.mode in modes.registered():  # the proposals' shape (pipeline and async modes have none here)
+            self.shape.update({f: getattr(c, f) for f in modes.mode_for(c.mode).shape_fields})
 
     def generate(self, prompt_ids, max_tokens, eos_ids=(), ignore_eos: bool = False, replay=None):
         """Greedy tokens and metrics; ``replay``: an acceptance trace's ranks (see

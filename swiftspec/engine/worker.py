@@ -21,7 +21,7 @@ import torch
 from swiftspec.engine.config import EngineConfig
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.spec_decode.draft_state import DraftState, TreeParams
-from swiftspec.spec_decode.modes import mode_for
+from swiftspec.spec_decode.modes import DecodeMode, mode_for, registered
 from swiftspec.spec_decode.ngram import NgramParams
 
 
@@ -102,12 +102,12 @@ class WorkerSpec:
 
     @property
     def verify_rows(self) -> int:
-        """The most rows a target verification takes: a draft subgraph or an n-gram chain and its
-        root, or in ``hybrid`` both (at most ``config.hybrid_rows``)."""
-        rows = max(self.tree.bs, self.ngram.tokens + 1)
-        if self.kind == "hybrid":
-            rows = max(rows, min(self.config.hybrid_rows, self.tree.bs + self.ngram.tokens))
-        return rows
+        """The most rows a target verification of this group's job takes: its decode mode's
+        (:meth:`swiftspec.spec_decode.modes.DecodeMode.verify_rows`; the target alone 1, ``ngram``
+        its chain and root, ``hybrid`` at most ``config.hybrid_rows``); a pipeline stage's, the
+        draft tree's or chain's and root's, whichever is larger (the default)."""
+        mode = self.decode_mode or (mode_for(self.kind) if self.kind in registered() else DecodeMode)
+        return mode.verify_rows(self.config)
 
     @property
     def is_leader(self) -> bool:

@@ -29,6 +29,9 @@ class DecodeMode:
         name: the mode (``EngineConfig.mode``) or async group job it serves.
         uses_draft: whether the draft model is loaded beside the target in the leader's group
             (False: the engine loads no draft for this mode).
+        shape_fields: the EngineConfig fields beyond the tree that shape this mode's proposals
+            (what a benchmark record names beside the tree; ``mode="auto"`` sets them from the
+            measured step costs).
 
     Args:
         spec: the leader's :class:`swiftspec.engine.worker.WorkerSpec` (tree shape, n-gram
@@ -41,6 +44,7 @@ class DecodeMode:
 
     name: ClassVar[str] = ""
     uses_draft: ClassVar[bool] = True
+    shape_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec, target, draft, peer=None):
         self.spec, self.target, self.draft, self.peer = spec, target, draft, peer
@@ -55,6 +59,14 @@ class DecodeMode:
     def check_config(cls, config) -> None:
         """Refuse an :class:`~swiftspec.engine.config.EngineConfig` this mode cannot serve (raise
         ValueError naming the field); the default accepts every configuration."""
+
+    @classmethod
+    def verify_rows(cls, config) -> int:
+        """The most rows one target verification of this mode takes under ``config`` (what the
+        target's KV cache leaves room for past the context, its CUDA-graph buckets and the row
+        counts the CPU kernel self-tuning times). Default: a draft subgraph of ``bs`` rows or a
+        proposer's chain of ``ngram_tokens`` and the root, whichever is larger."""
+        return max(config.tree_params().bs, config.ngram_params().tokens + 1)
 
 
 def register_mode(cls: type[DecodeMode]) -> type[DecodeMode]:
@@ -96,6 +108,11 @@ class Autoregressive(DecodeMode):
 
     name, uses_draft = "autoregressive", False
 
+    @classmethod
+    def verify_rows(cls, config) -> int:
+        """One row: the root alone."""
+        return 1
+
     def run(self, req, emit, stop):
         """One token per target forward (:func:`~swiftspec.spec_decode.target_loops.run_autoregressive`); returns its ``TargetStats``."""
         return target_loops.run_autoregressive(self.target, req, emit, stop)
@@ -121,7 +138,12 @@ class ChainProposerMode(DecodeMode):
 class Ngram(ChainProposerMode):
     """The target alone verifying prompt-lookup proposals (:mod:`swiftspec.spec_decode.ngram`)."""
 
-    name = "ngram"
+    name, shape_fields = "ngram", ("ngram_tokens",)
+
+    @classmethod
+    def verify_rows(cls, config) -> int:
+        """The root and at most ``ngram_tokens`` proposed tokens."""
+        return config.ngram_params().tokens + 1
 
     def make_proposer(self, ids):
         """A prompt-lookup proposer (:class:`~swiftspec.spec_decode.ngram.NgramProposer`) over ``ids`` with the request's n-gram parameters."""
@@ -152,7 +174,7 @@ class Hybrid(DecodeMode):
     subgraph, at most ``hybrid_rows`` rows in all; optionally behind serial's payback gate
     (:class:`~swiftspec.spec_decode.payback.PaybackGate`), whose fallback is the n-gram chain alone."""
 
-    name = "hybrid"
+    name, shape_fields = "hybrid", ("ngram_tokens", "hybrid_rows")
 
     def __init__(self, spec, target, draft, peer=None):
         super().__init__(spec, target, draft, peer)
@@ -164,6 +186,14 @@ class Hybrid(DecodeMode):
         alone on the n-gram chains); returns its ``TargetStats``."""
         return hybrid.run_hybrid(self.draft, self.target, req, emit, lambda ids: NgramProposer(self.spec.ngram, ids),
                                  self.spec.config.hybrid_rows, stop, self.gate)
+
+    @classmethod
+    def verify_rows(cls, config) -> int:
+        """The draft subgraph and the chain cut to ``hybrid_rows`` together
+        (:func:`~swiftspec.spec_decode.hybrid.hybrid_subgraph`), or the n-gram chain alone where
+        the payback gate refuses the draft."""
+        tokens = config.ngram_params().tokens
+        return max(tokens + 1, min(config.hybrid_rows, config.tree_params().bs + tokens))
 
     @classmethod
     def check_config(cls, config) -> None:
