@@ -278,8 +278,8 @@ def test_config_and_worker_rows():
     cfg = EngineConfig(mode="hybrid", bs=8, ngram_tokens=3, hybrid_rows=16)
     assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "hybrid").verify_rows == 11
     # the rows of the mode that runs, not the draft tree's where no tree is verified: the target
-    # alone verifies its root, ngram its chain, hybrid at most hybrid_rows (the default tree's 8
-    # rows made these engines tune their kernels and size their KV and graphs for 8)
+    # alone verifies its root, ngram its chain, hybrid at most hybrid_rows (the rows the kernel
+    # self-tuning times and the KV cache and CUDA graphs are sized for)
     cfg = EngineConfig(mode="hybrid", ngram_tokens=2)
     assert cfg.tree_params().bs == 8 and cfg.hybrid_rows == 4
     assert WorkerSpec(cfg, 0, 1, 0, [[0]], 0, {}, "hybrid").verify_rows == 4

@@ -103,9 +103,10 @@ class WorkerSpec:
     @property
     def verify_rows(self) -> int:
         """The most rows a target verification of this group's job takes: its decode mode's
-        (:meth:`swiftspec.spec_decode.modes.DecodeMode.verify_rows`; the target alone 1, ``ngram``
-        its chain and root, ``hybrid`` at most ``config.hybrid_rows``); a pipeline stage's, the
-        draft tree's or chain's and root's, whichever is larger (the default)."""
+        (:meth:`swiftspec.spec_decode.modes.DecodeMode.verify_rows`: the target alone 1, ``ngram``
+        its chain and root, ``hybrid`` at most ``config.hybrid_rows``); for a job with no
+        registered mode (a pipeline stage) the default: the draft tree's ``bs`` or a chain and its
+        root, whichever is larger."""
         mode = self.decode_mode or (mode_for(self.kind) if self.kind in registered() else DecodeMode)
         return mode.verify_rows(self.config)
 
