@@ -490,7 +490,11 @@ static inline void x8_row_tiles(int mr, Fn&& fn) {
 }
 
 // whether x8_row_tiles makes one tile of mr rows
-static inline bool x8_one_tile(int mr) { return mr == 3 || (mr <= kX8Rows && (mr & (mr - 1)) == 0); }
+static inline bool x8_one_tile(int mr) {
+  int tiles = 0;
+  x8_row_tiles(mr, [&](auto, int) { ++tiles; });
+  return tiles == 1;
+}
 
 template <class V, int Base>
 static void q0_x8_group(const uint8_t* grp, int64_t nb, int64_t gb, const X8Rows& r, int mr) {

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from swiftspec.engine.config import MODES, EngineConfig
+from swiftspec.spec_decode import modes
 from swiftspec.spec_decode.ngram import NgramParams
 
 # The tree shape of the built-in rule's shallow serial mode (choose_mode): verify the root and
@@ -143,9 +144,10 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
 
 
 def _user_ngram(config: EngineConfig) -> bool:
-    """Whether the configuration sets the n-gram chain's tokens or hybrid's row budget."""
+    """Whether the configuration sets a field of the proposals' shape beyond the tree (the n-gram
+    chain's tokens, hybrid's row budget: :attr:`~swiftspec.spec_decode.modes.Hybrid.shape_fields`)."""
     dflt = EngineConfig()
-    return config.ngram_tokens != dflt.ngram_tokens or config.hybrid_rows != dflt.hybrid_rows
+    return any(getattr(config, f) != getattr(dflt, f) for f in modes.mode_for("hybrid").shape_fields)
 
 
 def _hybrid_shaped_by_costs(config: EngineConfig) -> bool:
@@ -166,7 +168,8 @@ def _measured_mode(config: EngineConfig, costs, own_tree: bool, only: str | None
     top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s)
     why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s, costs.variant,
                                       "auto" if only is None else f"{only} as configured, its shape")
-    own = {"serial": own_tree, "ngram": _user_ngram(config), "hybrid": own_tree or _user_ngram(config)}.get(top.mode, False)
+    own_ngram = _user_ngram(config)
+    own = {"serial": own_tree, "ngram": own_ngram, "hybrid": own_tree or own_ngram}.get(top.mode, False)
     return top.mode, why, {} if own else dict(top.fields)
 
 
