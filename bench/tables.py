@@ -25,7 +25,9 @@ markers that name what produced it, ``KIND FILE [FILE ...]`` (files under bench/
 
 KIND is ``record`` (:func:`render` of one record: all its tables), ``summary`` (the compact
 end-to-end table of ``swiftspec bench`` records, with the machine and the command that
-reproduces it) or ``generate`` (``swiftspec generate --json`` records, one row each).
+reproduces it), ``generate`` (``swiftspec generate --json`` records, one row each), ``ceiling``
+(``swiftspec bench`` records: the default configuration against the fastest of our engines per
+run, dataset and prompt, chosen with hindsight) or ``steps`` (a GPU forward record's step table).
 
     python bench/tables.py bench/results/run13-avx2-6x5.json [more.json ...]   # print records' tables
     python bench/tables.py --check    # every marked block equals what its records give (exit 1: a diff)
@@ -339,6 +341,33 @@ def summary(names: list[str], results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def ceiling(names: list[str], results: Path = RESULTS) -> str:
+    """The mode-choice ceilings of ``swiftspec bench --out`` records (``report.ceilings``): per record
+    the default configuration (``auto``), then the fastest of our engines over the run, per dataset
+    and per prompt with hindsight, each as decode tokens/s and its ratio to llama.cpp of the same
+    run; then each record's command."""
+    from swiftspec.benchmark.report import ceilings, overall
+
+    lines = ["| record | our engines side by side | default configuration | fastest engine | fastest per dataset "
+             "| fastest per prompt |", "|---|---|---|---|---|---|"]
+    cmds = []
+    for name in names:
+        rec = _load(name, results)
+        tot = overall(rec["records"])
+        llama = tot.get("llama-cpp")
+        auto = next((s for s in tot if s in ("swiftspec-profiled", "swiftspec-profiled[auto]")), None)
+        engines = [s for s in tot if any(r["system"] == s and r.get("engine") for r in rec["records"])]
+
+        def cell(tps: float | None) -> str:
+            return "-" if tps is None else f"{tps:.2f}" + (f" ({tps / llama:.2f}x)" if llama else "")
+
+        c = ceilings(rec["records"])
+        lines.append(f"| `{name}` | {len(engines)} | {cell(tot.get(auto))} | {cell(c['system'])} | "
+                     f"{cell(c['dataset'])} | {cell(c['prompt'])} |")
+        cmds.append(f"- `{name}`: `{_command(rec)}`")
+    return "\n".join(lines + ["", "Decode tokens/s (x llama.cpp of the same run). Commands:", ""] + cmds)
+
+
 def generate_rows(names: list[str], results: Path = RESULTS) -> str:
     """``swiftspec generate --json`` records (the README command), one row each."""
     lines = ["| record | mode | tokens | decode tokens/s | time to first token, s | compression ratio |",
@@ -366,9 +395,11 @@ def block(spec: str, results: Path = RESULTS) -> str:
         return summary(names, results)
     if kind == "generate":
         return generate_rows(names, results)
+    if kind == "ceiling":
+        return ceiling(names, results)
     if kind == "steps" and len(names) == 1:
         return steps(names[0], results)
-    raise ValueError(f"block {spec!r}: KIND is record (one file), summary, generate or steps (one file)")
+    raise ValueError(f"block {spec!r}: KIND is record (one file), summary, generate, ceiling or steps (one file)")
 
 
 def _record_command(rec: dict) -> str | None:

@@ -107,6 +107,40 @@ def test_each_system_is_compared_with_the_target_at_its_tp_degree():
     assert reference_system("llama-cpp", systems, outs) is None
 
 
+def test_ceilings_pick_the_fastest_engine_per_run_dataset_and_prompt(tmp_path):
+    """report.ceilings: with hindsight, the fastest of our engines over the run, per dataset and
+    per prompt (prompts paired by their order); peers never count; the ceiling block names the
+    default configuration beside them, each against llama.cpp of the same run."""
+    from swiftspec.benchmark.report import ceilings
+
+    def eng(system, ds, tps):
+        return {**_rec(system, ds, tps), "engine": {"mode": system}}
+
+    # "ngram" wins prompt 1 of code, "serial" prompt 2 and all of chat; llama.cpp is faster than
+    # both on chat but is no engine of ours
+    recs = [eng("swiftspec-profiled[auto]", "code", 10.0), eng("swiftspec-profiled[auto]", "code", 10.0),
+            eng("swiftspec-profiled[auto]", "chat", 10.0), eng("swiftspec-profiled[auto]", "chat", 10.0),
+            eng("serial", "code", 5.0), eng("serial", "code", 20.0), eng("serial", "chat", 12.0),
+            eng("serial", "chat", 12.0), _rec("llama-cpp", "code", 8.0), _rec("llama-cpp", "code", 8.0),
+            _rec("llama-cpp", "chat", 40.0), _rec("llama-cpp", "chat", 40.0)]
+    c = ceilings(recs)
+    rate = lambda *tps: 64 * len(tps) / sum(64 / t for t in tps)  # noqa: E731
+    assert c["system"] == pytest.approx(rate(10, 10, 10, 10))  # auto over the whole run beats serial
+    assert c["dataset"] == pytest.approx(rate(10, 10, 12, 12))
+    assert c["prompt"] == pytest.approx(rate(10, 20, 12, 12))
+    assert c["system"] <= c["dataset"] <= c["prompt"]
+    with pytest.raises(ValueError, match="different prompts"):
+        ceilings(recs + [eng("serial", "chat", 12.0)])
+    with pytest.raises(ValueError, match="two or more"):
+        ceilings([r for r in recs if r["system"] != "serial"])
+    tables = _tables()
+    (tmp_path / "run.json").write_text(json.dumps({"command": "swiftspec bench", "machine": {}, "records": recs}))
+    text = tables.block("ceiling run.json", tmp_path)
+    llama = rate(8, 8, 40, 40)
+    assert f"| `run.json` | 2 | 10.00 ({10 / llama:.2f}x) |" in text
+    assert f"| {c['prompt']:.2f} ({c['prompt'] / llama:.2f}x) |" in text and "`swiftspec bench`" in text
+
+
 def test_tables_and_chart(tmp_path):
     recs = [_rec("autoregressive", "humaneval", 5.0), _rec("autoregressive", "humaneval", 5.0),
             _rec("swiftspec-async", "humaneval", 10.0, 3.5), _rec("swiftspec-async", "humaneval", 12.5, 3.9),

@@ -129,3 +129,39 @@ def pipeline_table(records: list[dict]) -> str:
                      + " / ".join(f"{b:.0%}" for b in busy) + f" | {statistics.mean(p['draft_busy'] for p in ps):.0%} | "
                      f"{sum(p['recomputed_kv'] for p in ps)} |")
     return "\n".join(lines)
+
+
+def ceilings(records: list[dict]) -> dict[str, float]:
+    """How far a better choice among the engines of one ``swiftspec bench`` run could go: decode
+    tokens/s (over all prompts, as :func:`overall`) of the fastest single system (``"system"``),
+    of the fastest system per dataset (``"dataset"``) and of the fastest per prompt (``"prompt"``),
+    chosen with hindsight among every engine of ours in the run (records with an ``engine``:
+    ``autoregressive`` and the speculative modes; no peer). The per-prompt value is an upper bound
+    of any mode choice made per request from these modes, and biased upwards by the machine's
+    noise (the minimum of several timings of one prompt). Prompts pair up by their order within
+    each (system, dataset), the order ``swiftspec bench`` runs them in.
+
+    Raises:
+        ValueError: fewer than two engines of ours, or their prompt counts per dataset differ.
+    """
+    ours = [s for s in dict.fromkeys(r["system"] for r in records) if any(
+        r["system"] == s and r.get("engine") for r in records)]
+    if len(ours) < 2:
+        raise ValueError(f"a ceiling needs two or more of our engines side by side, got {ours}")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        if r["system"] in ours:
+            runs.setdefault((r["system"], r["dataset"]), []).append(r)
+    datasets = list(dict.fromkeys(d for _, d in runs))
+    counts = {(s, d): len(runs.get((s, d), [])) for s in ours for d in datasets}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"the engines ran different prompts: {counts}")
+
+    def rate(rs: list[dict]) -> float:
+        return sum(r["num_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs)
+
+    per_dataset = [max((runs[(s, d)] for s in ours), key=rate) for d in datasets]
+    per_prompt = [max((runs[(s, d)][i] for s in ours), key=lambda r: rate([r]))
+                  for d in datasets for i in range(len(runs[(ours[0], d)]))]
+    return {"system": max(overall([r for r in records if r["system"] in ours]).values()),
+            "dataset": rate([r for rs in per_dataset for r in rs]), "prompt": rate(per_prompt)}
