@@ -277,7 +277,9 @@ def _what_ran(system: str, rs: list[dict]) -> str:
     if mode == "hybrid" and eng.get("hybrid_rows"):
         parts.append(f"d {eng['d']}, up to {eng['hybrid_rows']} rows")
     if eng.get("ngram_tokens"):
-        parts.append(f"{eng['ngram_tokens']} n-gram token{'s' if eng['ngram_tokens'] > 1 else ''}")
+        k = eng["ngram_tokens"]
+        parts.append(f"up to {k} n-gram tokens, as many as matched" if eng.get("ngram_adaptive")
+                     else f"{k} n-gram token{'s' if k > 1 else ''}")
     if eng.get("draft_payback") and mode in ("serial", "hybrid"):  # the modes the gate acts in
         parts.append("payback gate")
     if eng.get("draft_sms"):

@@ -236,6 +236,8 @@ def test_several_configs_run_side_by_side_as_named_systems(tiny_dir, tiny_draft_
                for s, rs in by.items() for r in rs)
     ngram = {"mode": "ngram", "ngram_tokens": 2, "draft_payback": True}
     assert _tables()._what_ran("swiftspec-profiled", [{"engine": ngram}]) == "`ngram` (prompt lookup), 2 n-gram tokens"
+    assert _tables()._what_ran("swiftspec-profiled", [{"engine": {**ngram, "ngram_tokens": 3, "ngram_adaptive": True}}]) \
+        == "`ngram` (prompt lookup), up to 3 n-gram tokens, as many as matched"
     hybrid = {"mode": "hybrid", "d": 1, "hybrid_rows": 4, "ngram_tokens": 2, "draft_payback": True}
     assert _tables()._what_ran("swiftspec-profiled", [{"engine": hybrid}]) == (
         "`hybrid`, d 1, up to 4 rows, 2 n-gram tokens, payback gate")

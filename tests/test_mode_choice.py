@@ -108,6 +108,14 @@ def test_packaged_priors():
         c = by[f"ngram {k}"]
         assert 1.0 < c.tokens_per_step < 1 + k and abs(sum(c.rows_mix.values()) - 1) < 1e-9
         assert max(c.rows_mix) == k + 1 and c.draft_forwards == 0
+    for k in mc.NGRAM_ADAPTIVE_TOKENS:  # from one-token matches, as long as the match
+        c = by[f"ngram adaptive {k}"]
+        assert c.fields == {"ngram_min": 1, "ngram_tokens": k, "ngram_adaptive": True} and c.draft_forwards == 0
+        assert max(c.rows_mix) == k + 1 and abs(sum(c.rows_mix.values()) - 1) < 1e-9
+        # one-token matches propose where a two-token lookup finds nothing; each proposal is at
+        # most as long as the fixed one of k tokens
+        assert c.rows_mix[1] < by[f"ngram {k}"].rows_mix[1]
+        assert by["ngram 1"].tokens_per_step < c.tokens_per_step < 1 + k
     for d, k in mc.HYBRID_SHAPES:  # each verification accepts the longer of both chains' runs
         c = by[f"hybrid d {d} ngram {k}"]
         draft_alone = by[f"serial bs {d + 1} d {d}{' chain' if d > 1 else ''}"]
@@ -131,10 +139,10 @@ def _costs(target_ms, draft_ms):
     ((10, 20, 30, 40), 5, "autoregressive"),  # a row costs as much as a step: nothing pays
     ((10, 10.5, 11, 11.5), 20, "ngram"),  # rows nearly free, the draft dear: proposals without it
     ((10, 10.5, 11, 11.5), 1, "serial"),  # rows nearly free, the draft cheap: the deepest chain
-    # two rows cost one, a third 10 % more, the draft at 3/10 of a step: one draft forward a
+    # two rows cost one, a third 20 % more, the draft at 2/10 of a step: one draft forward a
     # verification beside n-gram rows beats a deeper draft chain (its third row and second
     # forward) and n-gram alone (fewer tokens) by more than the margin
-    ((10, 10, 11, 11), 3, "hybrid"),
+    ((10, 10, 12, 13), 2, "hybrid"),
     ((10, 10.2, 10.4, 10.6), 6, "ngram"),  # rows nearly free, the draft dear: n-gram alone
     # a Zen 4's measured costs, the draft's catch-up forwards over 2-3 rows dearer than one row:
     # n-gram alone is within the margin of every draft mode
@@ -160,9 +168,10 @@ def test_measured_costs_decide_auto(monkeypatch, target_ms, draft_ms, want):
             assert mode_selection.choose_mode(config.EngineConfig(**own), True, None, 0,
                                               _costs(target_ms, draft_ms))[2] == {}
     if want == "ngram":
-        assert fields == {"ngram_tokens": top.fields["ngram_tokens"]}
-        assert mode_selection.choose_mode(config.EngineConfig(ngram_tokens=2), True, None, 0,
-                                  _costs(target_ms, draft_ms))[2] == {}
+        assert set(fields) <= {"ngram_min", "ngram_tokens", "ngram_adaptive"} and "ngram_tokens" in fields
+        for own in ({"ngram_tokens": 2}, {"ngram_min": 3}, {"ngram_adaptive": True}):  # the user's shape wins
+            assert mode_selection.choose_mode(config.EngineConfig(**own), True, None, 0,
+                                              _costs(target_ms, draft_ms))[2] == {}
     # a stored profile, a dequantized target or a pipeline still decide before the costs
     assert mode_selection.choose_mode(config.EngineConfig(), True, {"mode": "async"}, 0, _costs(target_ms, draft_ms))[0] == "async"
     assert "rule" in mode_selection.choose_mode(config.EngineConfig(), False, None, 0, _costs(target_ms, draft_ms))[1]
@@ -185,6 +194,23 @@ def test_a_deeper_candidate_must_win_by_the_margin():
     d = mc.Candidate("serial", "serial d", {"bs": 2, "d": 1}, 1.075 * 0.0975 / 0.1, {2: 1.0}, 1)
     top, rates = mc.best([a, c, d], target_s, draft_s)
     assert rates["serial d"] > rates["autoregressive"] * (1 + mc.MARGIN) and top is c
+
+
+def test_the_fastest_target_alone_candidate_needs_no_margin():
+    """Among the target-alone candidates (no draft forward) the fastest expected wins outright:
+    their difference, the target's rows, is measured whole; a draft mode still has to beat it by
+    the margin."""
+    a = mc.Candidate("autoregressive", "autoregressive", {}, 1.0, {1: 1.0})
+    c = mc.Candidate("ngram", "ngram c", {"ngram_tokens": 1}, 1.02, {1: 1.0})  # 2 % faster than a
+    e = mc.Candidate("ngram", "ngram e", {"ngram_tokens": 2}, 1.01, {1: 1.0})
+    d = mc.Candidate("serial", "serial d", {"bs": 2, "d": 1}, 1.05 * 0.0975 / 0.1, {2: 1.0}, 1)  # 5 % over a
+    target_s, draft_s = {1: 0.100, 2: 0.050}, 0.0475
+    top, rates = mc.best([a, c, e, d], target_s, draft_s)
+    assert top is c and rates["serial d"] > rates["ngram c"]
+    why = mc.measured_reason(top, rates, target_s, {1: draft_s}, "avx2")
+    assert "ngram c picked, the fastest of the target alone, within 5% of the fastest (serial d)" in why
+    assert mc.best([a, e], target_s, draft_s)[0] is e
+    assert mc.best([a, c, e, d], target_s, 0.030)[0] is d  # the draft far cheaper: beats c by more than 5 %
 
 
 def test_cost_model_rejects_bad_costs():

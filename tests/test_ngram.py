@@ -40,6 +40,16 @@ def test_the_longest_match_wins_over_a_later_shorter_one():
     assert _propose(text, max_n=2) == [7]
 
 
+def test_an_adaptive_proposal_is_as_long_as_the_match():
+    """adaptive: min(tokens, n) tokens, n the length of the suffix that matched."""
+    text = [7, 1, 2, 3, 9, 5, 1, 2, 3, 8, 6, 2, 3]  # (2, 3) matches, (1, 2, 3) does not end the text
+    assert _propose(text, min_n=1, tokens=4, adaptive=True) == [8, 6]
+    assert _propose(text + [8], min_n=1, tokens=4, adaptive=True) == [6, 2, 3]  # (2, 3, 8) matched
+    assert _propose(text + [8], min_n=1, tokens=2, adaptive=True) == [6, 2]  # at most tokens
+    assert _propose([5, 1, 4, 5], min_n=1, tokens=4, adaptive=True) == [1]  # a one-token match: one guess
+    assert _propose([5, 1, 4, 5], min_n=1, tokens=4) == [1, 4, 5]  # fixed length: as many as follow
+
+
 def test_no_earlier_occurrence_proposes_nothing():
     assert _propose([1, 2, 3, 4]) == []
     assert _propose([5, 1, 5]) == []  # a one-token match is below min_n = 2
@@ -57,11 +67,11 @@ def test_the_index_grows_with_the_verified_tokens():
 
 
 @pytest.mark.parametrize("kw", [dict(min_n=0), dict(tokens=0), dict(min_n=3, max_n=2), dict(max_n=True),
-                                dict(tokens=1.5)])
+                                dict(tokens=1.5), dict(adaptive="yes")])
 def test_invalid_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         NgramParams(**kw)
-    names = {"min_n": "ngram_min", "max_n": "ngram_max", "tokens": "ngram_tokens"}
+    names = {"min_n": "ngram_min", "max_n": "ngram_max", "tokens": "ngram_tokens", "adaptive": "ngram_adaptive"}
     with pytest.raises(ValueError):
         EngineConfig(mode="ngram", **{names[k]: v for k, v in kw.items()})
 
@@ -69,6 +79,7 @@ def test_invalid_parameters_are_refused(kw):
 def test_the_engine_config_takes_the_mode():
     c = EngineConfig(mode="ngram", ngram_min=1, ngram_max=3, ngram_tokens=2)
     assert c.ngram_params() == NgramParams(1, 3, 2)
+    assert EngineConfig(mode="ngram", ngram_tokens=3, ngram_adaptive=True).ngram_params() == NgramParams(2, 4, 3, True)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +107,11 @@ def _oracle(ref, wrong_every=0):
     return propose
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_real_proposals_keep_the_greedy_output(tiny_dir, reference, tokens):
+@pytest.mark.parametrize("tokens,adaptive", [(1, False), (3, False), (3, True)])
+def test_real_proposals_keep_the_greedy_output(tiny_dir, reference, tokens, adaptive):
     out, emit = _collect()
     req = Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), 60, (2,), trace=True)
-    st = target_loops.run_ngram(_target(tiny_dir), req, emit, NgramParams(min_n=1, tokens=tokens))
+    st = target_loops.run_ngram(_target(tiny_dir), req, emit, NgramParams(min_n=1, tokens=tokens, adaptive=adaptive))
     assert out == reference
     assert any(len(t["subgraph"]) > 1 for t in st.trace), "60 tokens of a 128-token vocabulary repeat some token"
     assert max(len(t["subgraph"]) for t in st.trace) <= tokens + 1

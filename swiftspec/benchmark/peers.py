@@ -173,7 +173,7 @@ class _GgufDraft:
 # llama-cpp-lookup's prompt lookup: the longest suffix it looks up, as our ngram mode's
 # (EngineConfig.ngram_max; llama-cpp-python then tries every shorter one down to a single token),
 # and the tokens it proposes per target forward: 3, the most the auto cost model weighs for our
-# ngram mode (swiftspec.spec_decode.mode_choice.NGRAM_TOKENS), since on a CPU each proposed token
+# ngram mode (swiftspec.spec_decode.mode_choice.NGRAM_TOKENS, NGRAM_ADAPTIVE_TOKENS), since on a CPU each proposed token
 # is one more row of the target's batch and costs time even where it is rejected (llama-cpp-python's
 # default of 10 is sized for a GPU, where extra rows are nearly free)
 LOOKUP_MAX_NGRAM = 4

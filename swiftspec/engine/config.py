@@ -76,10 +76,12 @@ class EngineConfig:
             listed GPU), the number of listed GPUs, or a multiple of it (that many ranks per GPU).
         bs, w, topk, max_nodes, max_cached: draft tree (see :class:`TreeParams`); defaults
             8, 2, w, 1024, 256.
-        ngram_min / ngram_max / ngram_tokens: the "ngram" mode's lookup lengths and proposal
-            length (:class:`swiftspec.spec_decode.ngram.NgramParams`); defaults 2, 4, 1: a verification of
-            two rows costs little more than one on a CPU, more rows cost more (the forward tables
-            in bench/RESULTS.md).
+        ngram_min / ngram_max / ngram_tokens / ngram_adaptive: the "ngram" mode's lookup lengths,
+            proposal length and whether a proposal is only as long as the suffix that matched
+            (:class:`swiftspec.spec_decode.ngram.NgramParams`); defaults 2, 4, 1, False: a verification
+            of two rows costs little more than one on a CPU, more rows cost more (the forward tables
+            in bench/RESULTS.md); ``auto`` weighs longer and adaptive proposals against this
+            machine's measured row costs (:mod:`swiftspec.spec_decode.mode_choice`).
         hybrid_rows: "hybrid": the most rows per verification, >= 2 (root, draft subgraph and the
             chain's other rows; the draft's subgraph shrinks below ``bs`` to fit); default 4, the
             most that auto's step costs measure (:mod:`swiftspec.spec_decode.mode_choice`).
@@ -154,6 +156,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     ngram_tokens: int = 1
+    ngram_adaptive: bool = False
     hybrid_rows: int = 4
     max_model_len: int = 4096
     pipeline_stages: int = 1
@@ -244,7 +247,7 @@ class EngineConfig:
 
     def ngram_params(self) -> NgramParams:
         """The "ngram" mode's proposal shape. Raises ValueError on invalid lengths."""
-        return NgramParams(self.ngram_min, self.ngram_max, self.ngram_tokens)
+        return NgramParams(self.ngram_min, self.ngram_max, self.ngram_tokens, self.ngram_adaptive)
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "EngineConfig":

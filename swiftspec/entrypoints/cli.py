@@ -49,6 +49,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, help="ngram mode: shortest suffix looked up (default 2)")
     p.add_argument("--ngram-max", type=int, help="ngram mode: longest suffix looked up (default 4)")
     p.add_argument("--ngram-tokens", type=int, help="ngram mode: tokens proposed per verification (default 1)")
+    p.add_argument("--ngram-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="ngram mode: propose only as many tokens as the matched suffix is long (default: off)")
     p.add_argument("--hybrid-rows", type=int, help="hybrid mode: most rows per verification (default 4)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default 4096)")
     p.add_argument("--cache-dir", help="model cache (default $SWIFTSPEC_CACHE or ~/.cache/swiftspec)")
@@ -92,7 +94,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     ``--config`` file or the engine's defaults decide them), as :class:`EngineConfig` keyword
     arguments."""
     keys = ["mode", "dtype", "weights", "device", "target_devices", "draft_devices", "target_cores", "draft_cores",
-            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "hybrid_rows",
+            "target_tp", "draft_tp", "bs", "w", "d", "ngram_min", "ngram_max", "ngram_tokens", "ngram_adaptive",
+            "hybrid_rows",
             "max_model_len",
             "kernels", "cuda_graphs", "pipeline_stages", "pipeline_order", "remote_stages", "master_addr",
             "master_port", "draft_payback", "draft_sms", "progress_timeout_s", "liveness_interval_s",

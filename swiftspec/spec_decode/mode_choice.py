@@ -38,6 +38,9 @@ SERIAL_TREES = (
     ("bs 4 d 3 chain", {"bs": 4, "d": 3, "w": 1, "topk": 1}, (1, 1, 1)),
 )
 NGRAM_TOKENS = (1, 2, 3)
+# adaptive n-gram shapes weighed (NgramParams.adaptive: a proposal as long as the suffix that
+# matched, at most this many tokens, from one-token matches on): at most 4 rows, as above
+NGRAM_ADAPTIVE_TOKENS = (2, 3)
 # hybrid shapes weighed: (draft chain depth d, n-gram tokens k), at most 1 + d + k = HYBRID_ROWS
 # rows (the measured target costs reach 4 rows), so the row budget never cuts either chain
 HYBRID_SHAPES = ((1, 1), (1, 2), (2, 1))
@@ -201,7 +204,9 @@ def hybrid_tokens_per_step(prompts: list[tuple[list[int], list[int], list[int | 
 def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
     """The candidates with their priors from an acceptance trace ``doc``
     (:func:`swiftspec.spec_decode.acceptance.load`): autoregressive (1 token a 1-row step), ngram
-    with ``ngram``'s lookup lengths proposing each of :data:`NGRAM_TOKENS` tokens, and serial with
+    with ``ngram``'s lookup lengths proposing each of :data:`NGRAM_TOKENS` tokens, adaptive ngram
+    (from one-token matches, as many tokens as matched, at most each of
+    :data:`NGRAM_ADAPTIVE_TOKENS`), and serial with
     each tree of :data:`SERIAL_TREES` (``d`` one-row draft forwards a verification), and hybrid with
     each shape of :data:`HYBRID_SHAPES` (``d`` draft forwards a verification, the first a catch-up
     over the verified tokens the draft has not run, :attr:`Candidate.catch_up_mix`)."""
@@ -211,6 +216,10 @@ def priors_of(doc: dict, ngram: NgramParams = NgramParams()) -> list[Candidate]:
     for k in NGRAM_TOKENS:
         tps, mix = ngram_tokens_per_step(texts, NgramParams(ngram.min_n, ngram.max_n, k))
         out.append(Candidate("ngram", f"ngram {k}", {"ngram_tokens": k}, tps, mix))
+    for k in NGRAM_ADAPTIVE_TOKENS:
+        tps, mix = ngram_tokens_per_step(texts, NgramParams(1, ngram.max_n, k, adaptive=True))
+        out.append(Candidate("ngram", f"ngram adaptive {k}", {"ngram_min": 1, "ngram_tokens": k,
+                                                               "ngram_adaptive": True}, tps, mix))
     for label, fields, widths in SERIAL_TREES:
         out.append(Candidate("serial", f"serial {label}", dict(fields), tree_tokens_per_step(ranks, widths),
                              {fields["bs"]: 1.0}, fields["d"], tree_catch_up_mix(ranks, widths)))
@@ -256,19 +265,24 @@ def tokens_per_s(c: Candidate, target_s: dict[int, float], draft_s: dict[int, fl
 
 def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int, float],
          draft_s: dict[int, float] | float, margin: float = MARGIN) -> tuple[Candidate, dict[str, float]]:
-    """The simplest candidate (the list runs from the simplest mode to the deepest tree) whose
-    expected tokens/s are within ``margin`` (a fraction) of the fastest candidate's, so a deeper
-    one is picked only when it beats every simpler one by more than the margin; and every
-    candidate's label -> tokens/s. Raises ValueError for no candidates, or a step cost that is
-    not a positive number of seconds."""
+    """The pick among ``candidates`` and every candidate's label -> expected tokens/s. Among the
+    target-alone ones (no draft forward: autoregressive, ngram) the fastest: what sets them apart,
+    the target's rows, is measured whole. Then the simplest candidate (the list runs from the
+    simplest mode to the deepest tree) whose expected tokens/s are within ``margin`` (a fraction)
+    of the fastest candidate's, so a draft mode is picked only when it beats the target alone, and
+    a deeper tree every simpler one, by more than the margin. Raises ValueError for no candidates,
+    or a step cost that is not a positive number of seconds."""
     if not candidates:
         raise ValueError("no candidate modes")
     drafts = list(draft_s.values()) if isinstance(draft_s, dict) else [draft_s]
     if not all(v > 0 for v in list(target_s.values()) + drafts):
         raise ValueError(f"step costs must be positive seconds, got target {target_s}, draft {draft_s}")
     rates = {c.label: tokens_per_s(c, target_s, draft_s) for c in candidates}
-    fastest = max(rates.values())
-    return next(c for c in candidates if rates[c.label] * (1 + margin) >= fastest), rates
+    alone = [c for c in candidates if not c.draft_forwards]
+    lead = max(alone, key=lambda c: rates[c.label]) if alone else None
+    walk = [c for c in candidates if c.draft_forwards or c is lead]
+    fastest = max(rates[c.label] for c in walk)
+    return next(c for c in walk if rates[c.label] * (1 + margin) >= fastest), rates
 
 
 def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float],
@@ -283,6 +297,8 @@ def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int,
     rated = ", ".join(f"{label} {v:.1f}" for label, v in rates.items())
     fastest = max(rates, key=rates.get)
     pick = (f"{top.label} fastest" if fastest == top.label else
+            f"{top.label} picked, the fastest of the target alone, within {MARGIN:.0%} of the fastest ({fastest})"
+            if not top.draft_forwards else
             f"{top.label} picked, the simplest within {MARGIN:.0%} of the fastest ({fastest})")
     return (f"{chooser}, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); "
             f"expected tokens/s with the packaged acceptance trace's priors: {rated}: {pick} "

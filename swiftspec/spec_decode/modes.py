@@ -138,7 +138,7 @@ class ChainProposerMode(DecodeMode):
 class Ngram(ChainProposerMode):
     """The target alone verifying prompt-lookup proposals (:mod:`swiftspec.spec_decode.ngram`)."""
 
-    name, shape_fields = "ngram", ("ngram_tokens",)
+    name, shape_fields = "ngram", ("ngram_min", "ngram_tokens", "ngram_adaptive")
 
     @classmethod
     def verify_rows(cls, config) -> int:
@@ -174,7 +174,7 @@ class Hybrid(DecodeMode):
     subgraph, at most ``hybrid_rows`` rows in all; optionally behind serial's payback gate
     (:class:`~swiftspec.spec_decode.payback.PaybackGate`), whose fallback is the n-gram chain alone."""
 
-    name, shape_fields = "hybrid", ("ngram_tokens", "hybrid_rows")
+    name, shape_fields = "hybrid", ("ngram_min", "ngram_tokens", "ngram_adaptive", "hybrid_rows")
 
     def __init__(self, spec, target, draft, peer=None):
         super().__init__(spec, target, draft, peer)
