@@ -241,12 +241,32 @@ def test_step_costs_are_measured_once_per_machine_and_pair(pair, measuring, monk
     assert set(first.target_s) == set(step_costs.TARGET_ROWS) and set(first.draft_s) == set(step_costs.DRAFT_ROWS)
     assert all(v > 0 for v in list(first.target_s.values()) + list(first.draft_s.values()))
     assert first.variant in tuning.variants(dispatch.cpu_module().quant_impls())
+    assert first.samples == 1
+    # the next starts each add a measurement, up to SAMPLES, and report their mean; then read back
+    seen = [first]
+    for k in range(2, step_costs.SAMPLES + 1):
+        seen.append(measure_step_costs(target, draft, 48))
+        assert seen[-1].source == "measured here" and seen[-1].samples == k and len(calls) == k
+    stored = json.loads(next(measuring.glob("*.steps.json")).read_text())["samples"]
+    assert len(stored) == step_costs.SAMPLES
+    for rows in step_costs.TARGET_ROWS:  # each one's own timings, averaged
+        assert seen[-1].target_s[rows] == pytest.approx(sum(m["target_s"][str(rows)] for m in stored) / len(stored))
+        assert stored[0]["target_s"][str(rows)] == pytest.approx(first.target_s[rows])
     again = measure_step_costs(target, draft, 48)
-    assert again.source == "stored" and len(calls) == 1  # read back, not timed
-    assert (again.target_s, again.draft_s, again.variant) == (first.target_s, first.draft_s, first.variant)
+    assert again.source == "stored" and again.samples == step_costs.SAMPLES and len(calls) == step_costs.SAMPLES
+    assert (again.target_s, again.draft_s, again.variant) == (seen[-1].target_s, seen[-1].draft_s, first.variant)
     assert list(measuring.glob("*.steps.json")) and list(measuring.glob("*[0-9a-f].json"))  # beside the tuning profile
-    assert measure_step_costs(target, draft, 48, remeasure=True).source == "measured here" and len(calls) == 2
-    assert measure_step_costs(target, draft, 32).source == "measured here" and len(calls) == 3  # other shapes
+    fresh = measure_step_costs(target, draft, 48, remeasure=True)  # starts again from one measurement
+    assert fresh.source == "measured here" and fresh.samples == 1 and len(calls) == step_costs.SAMPLES + 1
+    assert measure_step_costs(target, draft, 32).samples == 1 and len(calls) == step_costs.SAMPLES + 2  # other shapes
+
+
+def test_the_reason_names_the_measurements_averaged():
+    costs = _costs((30, 33, 37, 42), 9)
+    top, rates = mc.best(mc.priors(), costs.target_s, costs.draft_s)
+    assert "(linear layers, avx2)" in mc.measured_reason(top, rates, costs.target_s, costs.draft_s, "avx2")
+    assert "(linear layers, avx2; mean of 3 measurements)" in mc.measured_reason(
+        top, rates, costs.target_s, costs.draft_s, "avx2", samples=3)
 
 
 def test_forward_seconds_scale_the_layer_and_add_the_head(pair):

@@ -303,8 +303,9 @@ def retune(target_dir, draft_dir, progress: bool = True):
     """Measure the quantized GEMM's variants on the pair's weights again and store the winner for
     this machine (:func:`swiftspec.model_executor.kernel_tuning.tune_kernels` with ``retune``; the
     rows of the default configuration's verification), then the pair's step costs that
-    ``mode="auto"`` weighs (:func:`swiftspec.model_executor.step_costs.measure_step_costs`, so a
-    measurement taken at a busy moment is replaced); returns the
+    ``mode="auto"`` weighs (:func:`swiftspec.model_executor.step_costs.measure_step_costs`: the
+    stored measurements, maybe of a busy moment, are replaced by one taken now, and the next engine
+    starts add theirs); returns the
     :class:`~swiftspec.ops.tuning.Choice` (None with the kernels unavailable)."""
     from swiftspec.engine.config import EngineConfig
     from swiftspec.model_executor.kernel_tuning import tune_kernels

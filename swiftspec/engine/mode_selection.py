@@ -167,7 +167,7 @@ def _measured_mode(config: EngineConfig, costs, own_tree: bool, only: str | None
     cands = [c for c in cands if only is None or c.mode == only]
     top, rates = mode_choice.best(cands, costs.target_s, costs.draft_s)
     why = mode_choice.measured_reason(top, rates, costs.target_s, costs.draft_s, costs.variant,
-                                      "auto" if only is None else f"{only} as configured, its shape")
+                                      "auto" if only is None else f"{only} as configured, its shape", costs.samples)
     own_ngram = _user_ngram(config)
     own = {"serial": own_tree, "ngram": own_ngram, "hybrid": own_tree or own_ngram}.get(top.mode, False)
     return top.mode, why, {} if own else dict(top.fields)

@@ -15,9 +15,14 @@ slightly favours the modes with more forwards per token (serial's draft forwards
 
 The result is stored beside the kernel-tuning profile, as ``<key>.steps.json`` under the same key
 (:func:`swiftspec.ops.tuning.profile_key` of the target's then the draft's weights: the CPU, the
-extension build, the weights' shapes and block types), so it is measured once per machine and
-model pair, a few seconds. ``SWIFTSPEC_KERNEL_TUNING=0`` (the test suite) turns it off, as it
-does the tuning: ``mode="auto"`` then applies its rule.
+extension build, the weights' shapes and block types). Each of the first :data:`SAMPLES` engine
+starts on a machine and model pair adds one measurement (about half a second once the kernel
+choice is stored), and the costs are the mean of those stored: a shared machine's memory can
+change its speed for minutes at a time, and the step costs of one moment then mislead the
+choice (on a Zen 4 VM two starts measured the target's one-row step at 35.3 and 24.5 ms, three
+rows at 1.31x and 1.67x one row). A mode's seconds per token are linear in the step costs, so
+the mean costs give its mean speed over the moments measured. ``SWIFTSPEC_KERNEL_TUNING=0`` (the
+test suite) turns it off, as it does the tuning: ``mode="auto"`` then applies its rule.
 """
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ TARGET_ROWS = (1, 2, 3, 4)
 # rows per draft forward: one node expanded per forward in the trees weighed, the catch-up forward
 # after a verification over the verified tokens the draft has not run (up to 4 in the shapes weighed)
 DRAFT_ROWS = (1, 2, 3, 4)
-STEPS_VERSION = 1
+STEPS_VERSION = 2
+# measurements kept per machine and pair, one per engine start until there are this many
+SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,10 @@ class StepCosts:
         target_s / draft_s: rows -> seconds of one target / draft forward (:data:`TARGET_ROWS`,
             :data:`DRAFT_ROWS`).
         variant: the quantized-GEMM variant timed (:mod:`swiftspec.ops.tuning`).
-        source: "measured here" (now) or "stored" (an earlier measurement on this machine and pair).
+        source: "measured here" (one measurement taken now, averaged with the stored ones) or
+            "stored" (earlier measurements on this machine and pair).
         path: the file holding it.
+        samples: the measurements averaged (at most :data:`SAMPLES`).
     """
 
     target_s: dict[int, float]
@@ -60,6 +69,7 @@ class StepCosts:
     variant: str
     source: str
     path: str | None = field(default=None, compare=False)
+    samples: int = 1
 
 
 def layer_scale(model_dir: str | Path, weights: tuple[str, ...] = tuple(_LAYER_WEIGHTS)) -> float:
@@ -108,28 +118,36 @@ def forward_seconds(weights: list[TuneWeight], times: list[dict[int, float]], sc
             + sum(t[n] for w, t in zip(weights, times) if w.name == "lm_head") for n in sorted(times[0])}
 
 
-def _read(path: Path, fields: dict) -> StepCosts | None:
-    """The stored step costs at ``path`` if they are for ``fields`` and every row count, else None."""
+def _read(path: Path, fields: dict) -> tuple[str, list[dict]] | None:
+    """(variant, measurements) stored at ``path`` if they are for ``fields`` and each has every
+    row count, else None; a measurement is ``{"target_s": {rows: s}, "draft_s": {rows: s}, ...}``."""
     try:
         p = json.loads(path.read_text())
         if p.get("version") != STEPS_VERSION or p.get("key") != fields:
             return None
-        target = {int(k): float(v) for k, v in p["target_s"].items()}
-        draft = {int(k): float(v) for k, v in p["draft_s"].items()}
+        samples = [{"target_s": {int(k): float(v) for k, v in m["target_s"].items()},
+                    "draft_s": {int(k): float(v) for k, v in m["draft_s"].items()},
+                    "measured_at": str(m.get("measured_at", ""))} for m in p["samples"]]
         variant = str(p["variant"])
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
-    if not set(TARGET_ROWS) <= set(target) or not set(DRAFT_ROWS) <= set(draft):
+    if not samples or any(not set(TARGET_ROWS) <= set(m["target_s"]) or not set(DRAFT_ROWS) <= set(m["draft_s"])
+                          for m in samples):
         return None
-    return StepCosts(target, draft, variant, "stored", str(path))
+    return variant, samples
+
+
+def _mean(samples: list[dict], which: str, rows: tuple[int, ...]) -> dict[int, float]:
+    return {n: sum(m[which][n] for m in samples) / len(samples) for n in rows}
 
 
 def measure_step_costs(target_dir: str | Path, draft_dir: str | Path, draft_vocab: int | None = None,
                        remeasure: bool = False) -> StepCosts | None:
-    """This machine's step costs for the pair (see the module docstring): the stored ones if they
-    were taken under the variant the workers will run, else measured now and stored (one process
-    measures while others wait on the file's lock). ``draft_vocab``: the draft's logits rows
-    (``EngineConfig.draft_logits_vocab``); ``remeasure``: measure even where a result is stored.
+    """This machine's step costs for the pair (see the module docstring): the mean of the stored
+    measurements taken under the variant the workers will run, with one more measured now and
+    stored while there are fewer than :data:`SAMPLES` (one process measures while others wait on
+    the file's lock). ``draft_vocab``: the draft's logits rows (``EngineConfig.draft_logits_vocab``);
+    ``remeasure``: drop the stored measurements and start again from one taken now.
 
     Returns None where measuring is off (``SWIFTSPEC_KERNEL_TUNING=0``), the kernels are off or
     unavailable, or either model lacks GGUF blocks with a kernel (float weights).
@@ -149,18 +167,22 @@ def measure_step_costs(target_dir: str | Path, draft_dir: str | Path, draft_voca
     with open(path.with_name(f"{key}.steps.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stored = None if remeasure else _read(path, fields)
-        timed = ops.time_quant_gemm(target + draft, rows, stored.variant if stored else None)
+        full = stored is not None and len(stored[1]) >= SAMPLES
+        timed = ops.time_quant_gemm(target + draft, rows, stored[0] if full else None)
         if timed is None:
             return None
         variant, times = timed
-        if times is None:  # the stored costs are of the variant the workers will run
-            return stored
+        if times is None:  # enough measurements of the variant the workers will run
+            return StepCosts(_mean(stored[1], "target_s", TARGET_ROWS), _mean(stored[1], "draft_s", DRAFT_ROWS),
+                             variant, "stored", str(path), len(stored[1]))
         t = forward_seconds(target, times[:len(target)], layer_scale(target_dir, tuple(w.name for w in target)))
         d = forward_seconds(draft, times[len(target):], layer_scale(draft_dir, tuple(w.name for w in draft)))
-        costs = StepCosts({n: t[n] for n in TARGET_ROWS}, {n: d[n] for n in DRAFT_ROWS}, variant, "measured here",
-                          str(path))
+        samples = stored[1][-(SAMPLES - 1):] if stored is not None and stored[0] == variant else []
+        samples.append({"target_s": {n: t[n] for n in TARGET_ROWS}, "draft_s": {n: d[n] for n in DRAFT_ROWS},
+                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        costs = StepCosts(_mean(samples, "target_s", TARGET_ROWS), _mean(samples, "draft_s", DRAFT_ROWS), variant,
+                          "measured here", str(path), len(samples))
         atomic_write_text(path, json.dumps({"version": STEPS_VERSION, "variant": variant, "target_s": costs.target_s,
-                                            "draft_s": costs.draft_s, "key": fields,
-                                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                            "draft_s": costs.draft_s, "key": fields, "samples": samples},
                                            indent=1) + "\n")
         return costs

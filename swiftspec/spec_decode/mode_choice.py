@@ -286,10 +286,10 @@ def best(candidates: tuple[Candidate, ...] | list[Candidate], target_s: dict[int
 
 
 def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int, float],
-                    draft_s: dict[int, float], variant: str, chooser: str = "auto") -> str:
+                    draft_s: dict[int, float], variant: str, chooser: str = "auto", samples: int = 1) -> str:
     """The reason ``mode="auto"`` (``chooser``; a configured mode's shape: e.g. "hybrid as
-    configured, its shape") reports for a measured choice: the step costs (ms), each candidate's
-    expected tokens/s and the pick (:func:`best`)."""
+    configured, its shape") reports for a measured choice: the step costs (ms; the mean of
+    ``samples`` measurements), each candidate's expected tokens/s and the pick (:func:`best`)."""
     def costs(times: dict[int, float]) -> str:
         rows = sorted(times)
         return f"{'/'.join(map(str, rows))} rows {'/'.join(f'{times[r] * 1e3:.1f}' for r in rows)} ms"
@@ -300,6 +300,7 @@ def measured_reason(top: Candidate, rates: dict[str, float], target_s: dict[int,
             f"{top.label} picked, the fastest of the target alone, within {MARGIN:.0%} of the fastest ({fastest})"
             if not top.draft_forwards else
             f"{top.label} picked, the simplest within {MARGIN:.0%} of the fastest ({fastest})")
-    return (f"{chooser}, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}); "
+    mean = f"; mean of {samples} measurements" if samples > 1 else ""
+    return (f"{chooser}, measured here: target {costs(target_s)}, draft {costs(draft_s)} (linear layers, {variant}{mean}); "
             f"expected tokens/s with the packaged acceptance trace's priors: {rated}: {pick} "
             f"({top.tokens_per_step:.2f} tokens a verification)")
