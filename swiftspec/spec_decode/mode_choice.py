@@ -6,11 +6,12 @@ and of the SwiftSpec paper's serial baseline): an iteration is the draft's forwa
 the target-alone modes) plus one target verification of the proposed rows, and yields the
 accepted proposals plus the target's own next token. Step costs are measured on the user's
 machine (:class:`swiftspec.model_executor.step_costs.StepCosts`: seconds of a target forward at
-1-4 rows, of a draft forward of 1 row); the tokens per verification are the priors of
+1-4 rows, of a draft forward at 1-4 rows); the tokens per verification are the priors of
 :func:`priors`, replayed from the acceptance trace the package ships (the default pair's greedy
 tokens on the evaluation prompts and the draft's rank of each, :mod:`swiftspec.spec_decode.acceptance`).
 
-Candidates: ``autoregressive``, ``ngram`` proposing 1-3 tokens, ``serial`` with the draft trees
+Candidates: ``autoregressive``, ``ngram`` proposing 1-3 tokens or adaptive ones (as many as the
+suffix that matched, at most 2 or 3: :attr:`~swiftspec.spec_decode.ngram.NgramParams.adaptive`), ``serial`` with the draft trees
 of :data:`SERIAL_TREES`: shapes whose subgraph is fixed (a chain of the draft's first choices, or
 the root's two best children), so the trace's ranks give their acceptance exactly, and ``hybrid``
 with the shapes of :data:`HYBRID_SHAPES`: a chain of the draft's first choices and the n-gram
@@ -46,9 +47,11 @@ NGRAM_ADAPTIVE_TOKENS = (2, 3)
 HYBRID_SHAPES = ((1, 1), (1, 2), (2, 1))
 HYBRID_ROWS = 4
 # the pick is the simplest candidate (the earliest in the list, which runs from the target alone
-# through n-gram and the draft trees to hybrid) expected within this fraction of the fastest one: the estimate leaves out attention, norms and
-# host time, which grow with the rows and forwards, and its timings vary by a few percent between
-# starts (the kernel self-tuning asks the same of a kernel, swiftspec.ops.tuning.MARGIN)
+# through n-gram and the draft trees to hybrid; of the target-alone ones only the fastest) expected
+# within this fraction of the fastest one: the estimate leaves out the draft's host time per
+# iteration and its attention and norms, which grow with its forwards, and its timings vary by a
+# few percent between starts (the kernel self-tuning asks the same of a kernel,
+# swiftspec.ops.tuning.MARGIN)
 MARGIN = 0.05
 
 
