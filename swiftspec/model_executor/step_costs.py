@@ -19,8 +19,8 @@ extension build, the weights' shapes and block types). Each of the first :data:`
 starts on a machine and model pair adds one measurement (about half a second once the kernel
 choice is stored), and the costs are the mean of those stored: a shared machine's memory can
 change its speed for minutes at a time, and the step costs of one moment then mislead the
-choice (on a Zen 4 VM two starts measured the target's one-row step at 35.3 and 24.5 ms, three
-rows at 1.31x and 1.67x one row). A mode's seconds per token are linear in the step costs, so
+choice (measurements minutes apart on one machine put three rows at 1.31x and 1.67x one row:
+bench/LOG.md, "Proposals as long as the match"). A mode's seconds per token are linear in the step costs, so
 the mean costs give its mean speed over the moments measured. ``SWIFTSPEC_KERNEL_TUNING=0`` (the
 test suite) turns it off, as it does the tuning: ``mode="auto"`` then applies its rule.
 """

@@ -30,8 +30,8 @@ class NgramParams:
         adaptive: propose ``min(tokens, n)`` tokens, ``n`` the length of the suffix that matched:
             a longer match is stronger evidence that the text repeats here, so it buys a longer
             chain, and a one-token match a single guess. Replayed on the default pair's greedy
-            tokens with this machine kind's row costs it gave 4-6 % more tokens per second than a
-            fixed length (bench/LOG.md, "Proposals as long as the match").
+            tokens with a Zen 4's measured row costs it gave about 4 % more tokens per second than
+            a fixed length, on held-out prompts too (bench/LOG.md, "Proposals as long as the match").
     """
 
     min_n: int = 2
