@@ -29,9 +29,10 @@ class NgramParams:
             followed by fewer). The target's verification batch is ``tokens + 1`` rows (the root).
         adaptive: propose ``min(tokens, n)`` tokens, ``n`` the length of the suffix that matched:
             a longer match is stronger evidence that the text repeats here, so it buys a longer
-            chain, and a one-token match a single guess. Replayed on the default pair's greedy
-            tokens with a Zen 4's measured row costs it gave about 4 % more tokens per second than
-            a fixed length, on held-out prompts too (bench/LOG.md, "Proposals as long as the match").
+            chain, and a one-token match a single guess. On a Zen 4 (at most 3 tokens, from
+            one-token matches) it ran 5 % faster than a fixed 2 tokens on the six evaluation
+            datasets and level on held-out ones (bench/RESULTS.md; bench/LOG.md, "Proposals as
+            long as the match").
     """
 
     min_n: int = 2
