@@ -229,7 +229,7 @@ def test_measuring_off_keeps_the_rule(pair, monkeypatch):
     assert why.startswith("auto, rule: ")
 
 
-def test_step_costs_are_measured_once_per_machine_and_pair(pair, measuring, monkeypatch):
+def test_step_costs_are_measured_at_the_first_starts_then_stored(pair, measuring, monkeypatch):
     target, draft = pair
     n_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     assert n_layers > 1 and layer_scale(target) == pytest.approx(n_layers)  # every layer alike here
