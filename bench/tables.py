@@ -348,7 +348,7 @@ def ceiling(names: list[str], results: Path = RESULTS) -> str:
     the default configuration (``auto``), then the fastest of our engines over the run, per dataset
     and per prompt with hindsight, each as decode tokens/s and its ratio to llama.cpp of the same
     run; then each record's command."""
-    from swiftspec.benchmark.report import ceilings, overall
+    from swiftspec.benchmark.report import ceilings, our_engines, overall
 
     lines = ["| record | our engines side by side | default configuration | fastest engine | fastest per dataset "
              "| fastest per prompt |", "|---|---|---|---|---|---|"]
@@ -358,13 +358,12 @@ def ceiling(names: list[str], results: Path = RESULTS) -> str:
         tot = overall(rec["records"])
         llama = tot.get("llama-cpp")
         auto = next((s for s in tot if s in ("swiftspec-profiled", "swiftspec-profiled[auto]")), None)
-        engines = [s for s in tot if any(r["system"] == s and r.get("engine") for r in rec["records"])]
 
         def cell(tps: float | None) -> str:
             return "-" if tps is None else f"{tps:.2f}" + (f" ({tps / llama:.2f}x)" if llama else "")
 
         c = ceilings(rec["records"])
-        lines.append(f"| `{name}` | {len(engines)} | {cell(tot.get(auto))} | {cell(c['system'])} | "
+        lines.append(f"| `{name}` | {len(our_engines(rec['records']))} | {cell(tot.get(auto))} | {cell(c['system'])} | "
                      f"{cell(c['dataset'])} | {cell(c['prompt'])} |")
         cmds.append(f"- `{name}`: `{_command(rec)}`")
     return "\n".join(lines + ["", "Decode tokens/s (x llama.cpp of the same run). Commands:", ""] + cmds)

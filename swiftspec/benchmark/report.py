@@ -131,6 +131,12 @@ def pipeline_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def our_engines(records: list[dict]) -> list[str]:
+    """The systems of ``swiftspec bench`` records that are engines of ours (their records carry an
+    ``engine`` shape: ``autoregressive`` and the speculative modes; peers have none), in run order."""
+    return list(dict.fromkeys(r["system"] for r in records if r.get("engine")))
+
+
 def ceilings(records: list[dict]) -> dict[str, float]:
     """How far a better choice among the engines of one ``swiftspec bench`` run could go: decode
     tokens/s (over all prompts, as :func:`overall`) of the fastest single system (``"system"``),
@@ -144,8 +150,7 @@ def ceilings(records: list[dict]) -> dict[str, float]:
     Raises:
         ValueError: fewer than two engines of ours, or their prompt counts per dataset differ.
     """
-    ours = [s for s in dict.fromkeys(r["system"] for r in records) if any(
-        r["system"] == s and r.get("engine") for r in records)]
+    ours = our_engines(records)
     if len(ours) < 2:
         raise ValueError(f"a ceiling needs two or more of our engines side by side, got {ours}")
     runs: dict[tuple[str, str], list[dict]] = {}

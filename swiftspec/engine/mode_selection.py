@@ -145,7 +145,7 @@ def choose_mode(config: EngineConfig, target_native: bool = False, profiled: dic
 
 def _user_ngram(config: EngineConfig) -> bool:
     """Whether the configuration sets a field of the proposals' shape beyond the tree (the n-gram
-    chain's tokens, hybrid's row budget: :attr:`~swiftspec.spec_decode.modes.Hybrid.shape_fields`)."""
+    lookup and chain, hybrid's row budget: :attr:`~swiftspec.spec_decode.modes.Hybrid.shape_fields`)."""
     dflt = EngineConfig()
     return any(getattr(config, f) != getattr(dflt, f) for f in modes.mode_for("hybrid").shape_fields)
 

@@ -137,8 +137,12 @@ def _read(path: Path, fields: dict) -> tuple[str, list[dict]] | None:
     return variant, samples
 
 
-def _mean(samples: list[dict], which: str, rows: tuple[int, ...]) -> dict[int, float]:
-    return {n: sum(m[which][n] for m in samples) / len(samples) for n in rows}
+def _mean(samples: list[dict], variant: str, source: str, path: Path) -> StepCosts:
+    """The step costs of ``samples`` (measurements as :func:`_read` gives them): each row count's mean."""
+    def mean(which: str, rows: tuple[int, ...]) -> dict[int, float]:
+        return {n: sum(m[which][n] for m in samples) / len(samples) for n in rows}
+
+    return StepCosts(mean("target_s", TARGET_ROWS), mean("draft_s", DRAFT_ROWS), variant, source, str(path), len(samples))
 
 
 def measure_step_costs(target_dir: str | Path, draft_dir: str | Path, draft_vocab: int | None = None,
@@ -173,16 +177,13 @@ def measure_step_costs(target_dir: str | Path, draft_dir: str | Path, draft_voca
             return None
         variant, times = timed
         if times is None:  # enough measurements of the variant the workers will run
-            return StepCosts(_mean(stored[1], "target_s", TARGET_ROWS), _mean(stored[1], "draft_s", DRAFT_ROWS),
-                             variant, "stored", str(path), len(stored[1]))
+            return _mean(stored[1], variant, "stored", path)
         t = forward_seconds(target, times[:len(target)], layer_scale(target_dir, tuple(w.name for w in target)))
         d = forward_seconds(draft, times[len(target):], layer_scale(draft_dir, tuple(w.name for w in draft)))
-        samples = stored[1][-(SAMPLES - 1):] if stored is not None and stored[0] == variant else []
+        # fewer than SAMPLES stored here (else they were returned above), or of another variant
+        samples = stored[1] if stored is not None and stored[0] == variant else []
         samples.append({"target_s": {n: t[n] for n in TARGET_ROWS}, "draft_s": {n: d[n] for n in DRAFT_ROWS},
                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        costs = StepCosts(_mean(samples, "target_s", TARGET_ROWS), _mean(samples, "draft_s", DRAFT_ROWS), variant,
-                          "measured here", str(path), len(samples))
-        atomic_write_text(path, json.dumps({"version": STEPS_VERSION, "variant": variant, "target_s": costs.target_s,
-                                            "draft_s": costs.draft_s, "key": fields, "samples": samples},
-                                           indent=1) + "\n")
-        return costs
+        atomic_write_text(path, json.dumps({"version": STEPS_VERSION, "variant": variant, "key": fields,
+                                            "samples": samples}, indent=1) + "\n")
+        return _mean(samples, variant, "measured here", path)

@@ -174,7 +174,7 @@ class Hybrid(DecodeMode):
     subgraph, at most ``hybrid_rows`` rows in all; optionally behind serial's payback gate
     (:class:`~swiftspec.spec_decode.payback.PaybackGate`), whose fallback is the n-gram chain alone."""
 
-    name, shape_fields = "hybrid", ("ngram_min", "ngram_tokens", "ngram_adaptive", "hybrid_rows")
+    name, shape_fields = "hybrid", Ngram.shape_fields + ("hybrid_rows",)
 
     def __init__(self, spec, target, draft, peer=None):
         super().__init__(spec, target, draft, peer)
