@@ -1,7 +1,7 @@
 """``swiftspec serve`` as a subprocess for bench/server_load.py and bench/server_attacks.py: the
-server on a free port of 127.0.0.1, its descendants (engine workers, multiprocessing's resource
-tracker) and their resident memory read from /proc, one ``/metrics`` sample, and the machine a
-record states."""
+server on a free port of 127.0.0.1, its descendants (engine workers, multiprocessing's fork server
+and resource tracker) and their resident memory read from /proc, one ``/metrics`` sample, and the
+machine a record states."""
 from __future__ import annotations
 
 import os
@@ -89,11 +89,12 @@ class Server:
         return self.log.read()
 
     def descendants(self) -> list[int]:
-        """Every live process the server started (engine workers, multiprocessing's resource tracker)."""
+        """Every live process the server started (engine workers, multiprocessing's fork server and
+        resource tracker)."""
         return children(self.proc.pid)
 
     def workers(self) -> list[int]:
-        """The engine's worker processes (multiprocessing ``spawn`` children)."""
+        """The engine's worker processes."""
         return [p for p in self.descendants() if _role(p) == "worker"]
 
     def rss(self) -> dict[str, float]:
@@ -107,7 +108,9 @@ class Server:
         return out
 
     def stop(self) -> list[int]:
-        """SIGTERM, wait; returns the descendants still alive afterwards (should be none)."""
+        """SIGTERM, wait; returns the descendants still alive 10 s after the server exited (should be
+        none: multiprocessing's fork server leaves once the server has, after its interpreter's
+        teardown)."""
         kids = self.descendants() if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -116,18 +119,35 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10.0
+        while any(_alive(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return [p for p in kids if _alive(p)]
 
 
-def _role(pid: int) -> str:
-    """``worker`` (an engine worker), ``resource_tracker`` or ``other``, from the command line."""
+def _cmdline(pid: int) -> str:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return "other"
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _role(pid: int) -> str:
+    """``worker`` (an engine worker: forked by multiprocessing's fork server, or spawned),
+    ``fork_server``, ``resource_tracker`` or ``other``, from the command lines."""
+    cmd = _cmdline(pid)
     if "resource_tracker" in cmd:
         return "resource_tracker"
+    if "forkserver" in cmd:  # a forked worker keeps its fork server's command line
+        return "worker" if "forkserver" in _cmdline(_parent(pid)) else "fork_server"
     return "worker" if "spawn_main" in cmd else "other"
 
 

@@ -149,10 +149,15 @@ def render(record) -> str:
         return "\n".join(lines)
     if isinstance(record, dict) and record.get("kind") == "engine_speed_before_after":
         return _engine_speed(record)
+    if isinstance(record, dict) and record.get("kind") == "engine_start":
+        import engine_start
+
+        return engine_start.table(record)
     if isinstance(record, dict) and "layout" in (record.get("runs") or [record])[0].get("rows", [{}])[0]:
         return _shared_core(record)
     raise ValueError("not a record of swiftspec bench, bench/kernels.py, bench/native_forward.py, "
-                     "bench/accuracy.py, bench/huge_pages.py, bench/shared_core.py, bench/engine_speed.py, swiftspec "
+                     "bench/accuracy.py, bench/huge_pages.py, bench/shared_core.py, bench/engine_speed.py, "
+                     "bench/engine_start.py, swiftspec "
                      "generate --json or bench/server_load.py")
 
 

@@ -1,7 +1,8 @@
-"""Run a function on several spawned ranks (a torch.distributed world over a free TCP port) and
-collect what each rank reports; never leaves a process behind. Used by the TP / collective tests."""
+"""Run a function on several ranks (a torch.distributed world over a free TCP port), processes
+started as the engine starts its workers, and collect what each rank reports; never leaves a
+process behind. Used by the TP / collective tests."""
 import hashlib
-import multiprocessing as mp
+import os
 import pickle
 import queue
 import time
@@ -11,15 +12,20 @@ import torch
 
 
 def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, label: str = "") -> dict:
-    """Call ``fn(rank, world, port, *args, q)`` in ``world`` spawned processes. Each rank reports
+    """Call ``fn(rank, world, port, *args, q)`` in ``world`` processes, started as the engine's
+    workers are (:func:`swiftspec.engine.processes.start_context`: forked from the fork server,
+    with this process's environment). Each rank reports
     once with :func:`report` (``"ok"`` and its payload, or ``"error"`` and a traceback). Returns
     {rank: payload}; fails the test on an error or when a rank is silent past ``deadline_s`` seconds."""
     from swiftspec.distributed.parallel import free_tcp_port
+    from swiftspec.engine import child_entry
+    from swiftspec.engine.processes import start_context
 
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     q = ctx.Queue()
     port = free_tcp_port()
-    procs = [ctx.Process(target=fn, args=(r, world, port, *args, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=child_entry.run, args=(dict(os.environ), fn, r, world, port, *args, q), daemon=True)
+             for r in range(world)]
     deadline = time.monotonic() + deadline_s
     try:
         for p in procs:

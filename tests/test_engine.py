@@ -269,3 +269,31 @@ def test_a_seed_gives_the_same_sampled_output_in_every_mode(tiny_dir, tiny_draft
             outs[mode] = [eng.generate(PROMPT, p).token_ids for p in runs]
     assert len({tuple(map(tuple, o)) for o in outs.values()}) == 1, outs
     assert len({tuple(o) for o in outs["autoregressive"]}) > 1  # the seeds and parameters do differ
+
+
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_take_the_engines_environment_at_their_start(tiny_dir, monkeypatch, method):
+    """Workers forked from the fork server (started by an earlier engine, in another environment)
+    read ``SWIFTSPEC_*`` variables as the engine process holds them when it starts them, as
+    spawned workers do; ``SWIFTSPEC_WORKER_START_METHOD`` picks the start method, a bad value is
+    refused before any process starts."""
+    monkeypatch.setenv("SWIFTSPEC_WORKER_START_METHOD", method)
+    monkeypatch.delenv("SWIFTSPEC_QUANT_GEMM", raising=False)
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32") as eng:
+        first = eng.workers[0]
+        assert (_parent_pid(first["pid"]) == os.getpid()) == (method == "spawn")  # forked by the fork server
+    if first["kernels"] is None:
+        pytest.skip("the CPU kernels did not build here")
+    assert first["kernels"]["quant_gemm_choice"] != "environment"
+    monkeypatch.setenv("SWIFTSPEC_QUANT_GEMM", first["kernels"]["quant_gemm"])
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32") as eng:
+        assert eng.workers[0]["kernels"]["quant_gemm_choice"] == "environment"
+    monkeypatch.setenv("SWIFTSPEC_WORKER_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="SWIFTSPEC_WORKER_START_METHOD"):
+        Engine(tiny_dir, mode="autoregressive", dtype="float32")

@@ -25,7 +25,7 @@ from swiftspec.engine.metrics import RequestMetrics
 from swiftspec.engine.outputs import (EngineError, GenerationOutput, RequestError, StreamChunk, TokenizerMismatchError,
                                       _Collected, _stop_prefix_len)
 from swiftspec.engine.placement import Group, PlacementError, plan_groups, uses_draft
-from swiftspec.engine.processes import WorkerProcesses
+from swiftspec.engine.processes import WorkerProcesses, start_fork_server
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.model_executor.sampling import SamplingParams
 from swiftspec.spec_decode.scheduler import Request
@@ -78,6 +78,7 @@ class Engine:
             # the GPUs the engine will use (async with an unset split takes all of them); ranks may share one
             ids = split_gpus(torch.cuda.device_count(), config.target_devices, config.draft_devices, False)[0]
             gpus = len(set(ids))
+        start_fork_server()  # it imports torch while this process resolves the models and the tokenizer
         self.target_path = resolve_model(target, "target", cache_dir)
         mode, self.mode_reason, tree, draft_path = resolve_mode(config, self.target_path, draft, cache_dir, gpus)
         if config.draft_sms is not None and mode != "colocated":

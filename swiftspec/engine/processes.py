@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import time
@@ -16,6 +17,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Iterator
 
+from swiftspec.engine import child_entry
 from swiftspec.engine.config import EngineConfig
 from swiftspec.engine.outputs import WorkerError
 from swiftspec.engine.placement import Group
@@ -23,6 +25,9 @@ from swiftspec.engine.worker import WorkerSpec, worker_main
 from swiftspec.model_executor.runner import ROLE_DRAFT, ROLE_TARGET
 from swiftspec.pipeline.worker import stage_main
 from swiftspec.spec_decode.modes import mode_for
+
+# "forkserver" (the default) or "spawn": how worker processes start (start_context)
+START_METHOD_ENV = "SWIFTSPEC_WORKER_START_METHOD"
 
 # a worker's error text with one of these only says it lost a peer; the last two are gloo's words
 # for a peer rank that died
@@ -65,7 +70,7 @@ class WorkerProcesses:
         """
         from swiftspec.distributed.rendezvous import pipeline_token, private_dir
 
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         ranks, first = [], 0
         for g in layout:
             ranks.append(list(range(first, first + g.tp)))
@@ -114,9 +119,11 @@ class WorkerProcesses:
         return [c for pair in follower_pipes for c in pair]
 
     def _spawn(self, ctx, target, spec: WorkerSpec, *pipes, name: str) -> Connection:
-        """Start one worker process running ``target(spec, pipe, *pipes)``; returns the engine's end of its pipe."""
+        """Start one worker process running ``target(spec, pipe, *pipes)`` in this process's
+        environment (:func:`swiftspec.engine.child_entry.run`); returns the engine's end of its pipe."""
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(spec, child, *pipes), name=name, daemon=True)
+        p = ctx.Process(target=child_entry.run, args=(dict(os.environ), target, spec, child, *pipes), name=name,
+                        daemon=True)
         with _main_module_hidden():
             p.start()
         child.close()
@@ -292,13 +299,55 @@ class WorkerProcesses:
         shutdown(self.procs, self.conns, self.dirs)
 
 
+def start_context():
+    """The multiprocessing context workers start from: ``forkserver`` with torch imported in the
+    server, where the platform has it, else ``spawn``.
+
+    A forked worker skips the interpreter start and ``import torch`` a spawned one pays (about 1 s
+    of CPU per process on a Zen 4 core; a 3-stage pipeline engine started and closed in 0.8 s
+    instead of 3.7 s, bench/LOG.md "Workers forked from a fork server"), and it leaves without
+    the interpreter's teardown. The server starts with the first engine and serves every later
+    one of this process; it imports torch only, so nothing it holds depends on the engine's
+    environment, which each worker puts in place first (:mod:`swiftspec.engine.child_entry`).
+    This replaces the fork server's preload list (multiprocessing's default preloads the caller's
+    ``__main__``, which would run a user's script in the server). ``SWIFTSPEC_WORKER_START_METHOD=spawn``
+    starts each worker in a fresh interpreter instead.
+
+    Raises:
+        ValueError: ``SWIFTSPEC_WORKER_START_METHOD`` is neither "forkserver" nor "spawn".
+    """
+    method = os.environ.get(START_METHOD_ENV, "") or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server of :func:`start_context` now, so its ``import torch`` overlaps the
+    engine's own start (model resolution, tokenizer); a no-op where it runs already or workers are
+    spawned.
+
+    Raises:
+        ValueError: ``SWIFTSPEC_WORKER_START_METHOD`` is neither "forkserver" nor "spawn".
+    """
+    if start_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 @contextlib.contextmanager
 def _main_module_hidden():
     """Start workers without re-running the caller's script.
 
-    The ``spawn`` start method re-imports ``__main__`` in every child, which runs a user's
-    top-level ``Engine(...)`` again (and fails without an ``if __name__ == "__main__"`` guard).
-    Workers need nothing from the caller's script, so hide its path while the child starts.
+    The ``spawn`` and ``forkserver`` start methods import ``__main__`` by path in every child,
+    which runs a user's top-level ``Engine(...)`` again (and fails without an
+    ``if __name__ == "__main__"`` guard). Workers need nothing from the caller's script, so hide
+    its path while the child starts.
     """
     main = sys.modules.get("__main__")
     saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}

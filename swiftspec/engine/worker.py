@@ -28,7 +28,7 @@ from swiftspec.spec_decode.ngram import NgramParams
 @dataclass
 class WorkerSpec:
     """One worker's place in the engine, with the engine's configuration whole (nano-vllm's
-    ``ModelRunner(config, rank, event)``); picklable for the ``spawn`` start method.
+    ``ModelRunner(config, rank, event)``); picklable: it reaches the worker through multiprocessing.
 
     The configuration's own fields (``max_model_len``, ``kernels``, ``cuda_graphs``, ``weights``,
     ``draft_payback``, ``draft_sms``, ``pipeline_order``, ``master_addr``, ``start_timeout_s``, the

@@ -11,15 +11,29 @@ import warnings
 
 import torch
 
-# SWIFTSPEC_KERNELS=0 in the environment turns them off from the start (ablations, debugging)
-_state = {"enabled": os.environ.get("SWIFTSPEC_KERNELS", "1") != "0",
-          # SWIFTSPEC_QUANT_X8=0: GGUF weights keep the file's plain layout (set_quant_x8)
-          "x8": os.environ.get("SWIFTSPEC_QUANT_X8", "1") != "0",
-          # SWIFTSPEC_QUANT_X16=0: the 8-row layout even where the 512-bit kernel reads 16 rows
-          "x16": os.environ.get("SWIFTSPEC_QUANT_X16", "1") != "0",
-          # why the quantized GEMM runs its variant: "rule", "measured here", "environment" or
-          # "set" (set_quant_gemm / set_quant_variant); swiftspec.ops.tuning
-          "quant_source": "environment" if os.environ.get("SWIFTSPEC_QUANT_GEMM") else "rule"}
+class _State(dict):
+    """This process's dispatch switches, each read from the environment when first asked for (not
+    at import: a worker imports this module before it takes the engine's environment,
+    :mod:`swiftspec.engine.child_entry`); a value set before that wins."""
+
+    def __missing__(self, key):
+        env = os.environ.get
+        defaults = {
+            # SWIFTSPEC_KERNELS=0 turns them off from the start (ablations, debugging)
+            "enabled": env("SWIFTSPEC_KERNELS", "1") != "0",
+            # SWIFTSPEC_QUANT_X8=0: GGUF weights keep the file's plain layout (set_quant_x8)
+            "x8": env("SWIFTSPEC_QUANT_X8", "1") != "0",
+            # SWIFTSPEC_QUANT_X16=0: the 8-row layout even where the 512-bit kernel reads 16 rows
+            "x16": env("SWIFTSPEC_QUANT_X16", "1") != "0",
+            # why the quantized GEMM runs its variant: "rule", "measured here", "environment" or
+            # "set" (set_quant_gemm / set_quant_variant); swiftspec.ops.tuning
+            "quant_source": "environment" if env("SWIFTSPEC_QUANT_GEMM") else "rule"}
+        for k, v in defaults.items():
+            self.setdefault(k, v)
+        return self[key]
+
+
+_state = _State()
 
 
 def set_kernels(enabled: bool) -> None:
