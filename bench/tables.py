@@ -178,11 +178,15 @@ def _shared_core(record: dict) -> str:
 
 def _engine_speed(record: dict) -> str:
     """bench/engine_speed.py: decode tokens/s per tree, mode and prompt, in the order the trees
-    ran, and whether every tree generated the same ids."""
+    ran, each tree's mean over its runs and prompts, and whether every tree generated the same ids."""
     modes = [k for k in record["runs"][0] if isinstance(record["runs"][0][k], list) and not k.endswith("_tokens")]
     lines = ["| tree | " + " | ".join(f"{m} tokens/s" for m in modes) + " |", "|---|" + "---|" * len(modes)]
     lines += [f"| {r['tree']} | " + " | ".join(" / ".join(f"{v:.2f}" for v in r[m]) for m in modes) + " |"
               for r in record["runs"]]
+    trees = list(dict.fromkeys(r["tree"] for r in record["runs"]))
+    lines += [f"| mean of {t} | " + " | ".join(
+        f"{statistics.mean(v for r in record['runs'] if r['tree'] == t for v in r[m]):.2f}" for m in modes) + " |"
+              for t in trees]
     same = len({r[f"{m}_ids_hash"] for r in record["runs"] for m in modes}) == 1
     return "\n".join(lines + ["", f"same generated ids in every run and mode: {'yes' if same else 'no'}"])
 

@@ -22,9 +22,10 @@ if [ ! -f "$stamp" ]; then
     fi
   fi
   # The test and bench extras build llama-cpp-python (the llama.cpp peer) from source: -march=native,
-  # its AMX matmul compiled out, as it segfaults on some AMX CPUs (LLAMA_CPP_CMAKE_ARGS in
-  # swiftspec/benchmark/peers.py; a CMAKE_ARGS of your own wins). No-op on CPUs without AMX.
-  export CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__}"
+  # its AMX matmul compiled out, as it segfaults on some AMX CPUs, and no multimodal library (the
+  # peers are text only) (LLAMA_CPP_CMAKE_ARGS in swiftspec/benchmark/peers.py; a CMAKE_ARGS of your
+  # own wins).
+  export CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__ -DLLAVA_BUILD=OFF}"
   quiet $py -m pip install -e ".${1:+[$1]}"
   touch "$stamp"
 fi

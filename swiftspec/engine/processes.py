@@ -1,5 +1,6 @@
-"""The engine's worker processes: spawning one per rank, waiting until they are ready, noticing a
-dead or failing worker, and stopping them all.
+"""The engine's worker processes: starting one per rank (forked from a fork server that has torch
+loaded, :func:`start_context`), waiting until they are ready, noticing a dead or failing worker,
+and stopping them all.
 
 A worker that dies or reports an error makes the engine fail within a fraction of a second with
 :class:`~swiftspec.engine.outputs.WorkerError`, after every worker has been stopped. The engine:
@@ -303,12 +304,14 @@ def start_context():
     """The multiprocessing context workers start from: ``forkserver`` with torch imported in the
     server, where the platform has it, else ``spawn``.
 
-    A forked worker skips the interpreter start and ``import torch`` a spawned one pays (about 1 s
-    of CPU per process on a Zen 4 core; a 3-stage pipeline engine started and closed in 0.8 s
-    instead of 3.7 s, bench/LOG.md "Workers forked from a fork server"), and it leaves without
-    the interpreter's teardown. The server starts with the first engine and serves every later
-    one of this process; it imports torch only, so nothing it holds depends on the engine's
-    environment, which each worker puts in place first (:mod:`swiftspec.engine.child_entry`).
+    A forked worker skips the interpreter start and ``import torch`` that a spawned one pays (over
+    a second of CPU per process), and it leaves without the interpreter's teardown: every engine
+    on the default pair started and closed faster, side by side (record
+    ``bench/results/engine-start-zen4-2026-11-29.json``, bench/RESULTS.md). The server starts with
+    the first engine and serves every later one of this process; it imports torch only, so nothing
+    it holds depends on the engine's environment, which each worker puts in place first
+    (:mod:`swiftspec.engine.child_entry`). Workers write to the standard output and error this
+    process had when the server started.
     This replaces the fork server's preload list (multiprocessing's default preloads the caller's
     ``__main__``, which would run a user's script in the server). ``SWIFTSPEC_WORKER_START_METHOD=spawn``
     starts each worker in a fresh interpreter instead.
