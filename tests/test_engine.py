@@ -297,3 +297,18 @@ def test_workers_take_the_engines_environment_at_their_start(tiny_dir, monkeypat
     monkeypatch.setenv("SWIFTSPEC_WORKER_START_METHOD", "fork")
     with pytest.raises(ValueError, match="SWIFTSPEC_WORKER_START_METHOD"):
         Engine(tiny_dir, mode="autoregressive", dtype="float32")
+
+
+def test_a_script_without_a_main_guard_runs_once(tiny_dir, tmp_path):
+    """A user's script that builds an engine at top level (no ``if __name__ == "__main__"``) runs
+    its top level once: neither the fork server nor a worker imports the caller's script."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("from swiftspec import Engine, SamplingParams\nprint('top level ran')\n"
+                      f"with Engine({str(tiny_dir)!r}, mode='autoregressive', dtype='float32') as eng:\n"
+                      "    print(len(eng.generate([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)).token_ids))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["top", "level", "ran", "5"], out.stdout
