@@ -312,3 +312,27 @@ def test_a_script_without_a_main_guard_runs_once(tiny_dir, tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["top", "level", "ran", "5"], out.stdout
+
+
+def test_a_dead_fork_server_fails_the_request_and_the_next_engine_starts(tiny_dir):
+    """The fork server killed mid-request (the workers' exit statuses come through it): the
+    request raises WorkerError naming it within seconds, no worker is left, and the next engine
+    starts a new fork server and decodes."""
+    eng = Engine(tiny_dir, mode="autoregressive", dtype="float32", max_model_len=2048)
+    pids = eng.pids
+    server = _parent_pid(pids[0])
+    if server == os.getpid():
+        pytest.skip("workers are spawned here (SWIFTSPEC_WORKER_START_METHOD)")
+    it = eng.stream(PROMPT, SamplingParams(max_tokens=1500, ignore_eos=True))
+    next(it)
+    os.kill(server, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="fork server"):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.3)
+    assert not any(pid_alive(p) for p in pids)
+    with Engine(tiny_dir, mode="autoregressive", dtype="float32") as eng2:
+        assert len(eng2.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4
+        assert _parent_pid(eng2.pids[0]) != server

@@ -289,6 +289,9 @@ class WorkerProcesses:
                             continue
                         if msg[0] == "error":
                             self._fail_with_cause(msg[1])
+                if _running(p.pid):  # its exit status comes through the fork server, which is gone
+                    self.fail(f"the fork server that started the workers died; worker process {p.name} "
+                              f"(pid {p.pid}) can no longer be watched")
                 self.fail(f"worker process {p.name} (pid {p.pid}) died with exit code {p.exitcode}")
 
     def close(self) -> None:
@@ -298,6 +301,16 @@ class WorkerProcesses:
         self.closed = True
         self._finalizer.detach()
         shutdown(self.procs, self.conns, self.dirs)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 def start_context():
