@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,18 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 def real_models_enabled() -> bool:
     return os.environ.get("SWIFTSPEC_REAL_MODELS") == "1"
+
+
+def raises_within(it, match: str | None = None, within_s: float = 10.0) -> None:
+    """Read the stream ``it`` to its end: it must raise WorkerError (matching ``match``) within
+    ``within_s`` seconds (a lost worker or peer is noticed, not waited on)."""
+    from swiftspec import WorkerError
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=match):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < within_s
 
 
 def pid_alive(pid: int) -> bool:
