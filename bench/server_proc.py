@@ -22,18 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...); [] if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def children(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc), zombies excluded."""
     parent: dict[int, int] = {}
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if fields[0] != "Z":
-                parent[int(d)] = int(fields[1])
+        fields = _stat(int(d)) if d.isdigit() else []
+        if fields and fields[0] != "Z":
+            parent[int(d)] = int(fields[1])
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -132,14 +136,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _parent(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
 def _role(pid: int) -> str:
     """``worker`` (an engine worker: forked by multiprocessing's fork server, or spawned),
     ``fork_server``, ``resource_tracker`` or ``other``, from the command lines."""
@@ -147,7 +143,8 @@ def _role(pid: int) -> str:
     if "resource_tracker" in cmd:
         return "resource_tracker"
     if "forkserver" in cmd:  # a forked worker keeps its fork server's command line
-        return "worker" if "forkserver" in _cmdline(_parent(pid)) else "fork_server"
+        parent = _stat(pid)[1:2]
+        return "worker" if parent and "forkserver" in _cmdline(int(parent[0])) else "fork_server"
     return "worker" if "spawn_main" in cmd else "other"
 
 

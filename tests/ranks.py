@@ -2,7 +2,6 @@
 started as the engine starts its workers, and collect what each rank reports; never leaves a
 process behind. Used by the TP / collective tests."""
 import hashlib
-import os
 import pickle
 import queue
 import time
@@ -13,19 +12,17 @@ import torch
 
 def spawn_ranks(fn, world: int, args: tuple = (), deadline_s: float = 240.0, label: str = "") -> dict:
     """Call ``fn(rank, world, port, *args, q)`` in ``world`` processes, started as the engine's
-    workers are (:func:`swiftspec.engine.processes.start_context`: forked from the fork server,
+    workers are (:func:`swiftspec.engine.processes.new_process`: forked from the fork server,
     with this process's environment). Each rank reports
     once with :func:`report` (``"ok"`` and its payload, or ``"error"`` and a traceback). Returns
     {rank: payload}; fails the test on an error or when a rank is silent past ``deadline_s`` seconds."""
     from swiftspec.distributed.parallel import free_tcp_port
-    from swiftspec.engine import child_entry
-    from swiftspec.engine.processes import start_context
+    from swiftspec.engine.processes import new_process, start_context
 
     ctx = start_context()
     q = ctx.Queue()
     port = free_tcp_port()
-    procs = [ctx.Process(target=child_entry.run, args=(dict(os.environ), fn, r, world, port, *args, q), daemon=True)
-             for r in range(world)]
+    procs = [new_process(ctx, fn, r, world, port, *args, q) for r in range(world)]
     deadline = time.monotonic() + deadline_s
     try:
         for p in procs:

@@ -323,11 +323,8 @@ def test_sigterm_shuts_down_without_leftovers(tiny_dir, tmp_path):
             pass
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
         time.sleep(0.3)
-    def descendants(pid):  # the engine's workers are the fork server's children, not the server's
-        kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        return kids + [d for k in kids for d in descendants(k)]
-
-    children = descendants(proc.pid)
+    # the engine's workers are the fork server's children, not the server's
+    children = _bench_module("server_proc").children(proc.pid)
     assert len(children) >= 3  # the fork server, the engine's worker, multiprocessing's resource tracker
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down

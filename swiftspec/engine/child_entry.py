@@ -14,16 +14,15 @@ import atexit
 import os
 
 
-def run(environ: dict[str, str], entry, spec, *pipes) -> None:
-    """Process target of every worker the engine starts.
+def run(environ: dict[str, str], entry, *args) -> None:
+    """Process target of every worker the engine starts (:func:`swiftspec.engine.processes.new_process`).
 
     Args:
         environ: the engine process's ``os.environ`` when it started the worker; it replaces the
             worker's own before anything else runs.
         entry: the worker's entry point (:func:`swiftspec.engine.worker.worker_main` or
-            :func:`swiftspec.pipeline.worker.stage_main`), called as ``entry(spec, *pipes)``.
-        spec: its :class:`~swiftspec.engine.worker.WorkerSpec`.
-        pipes: the entry point's remaining arguments (its pipe to the engine, followers, leader, peer).
+            :func:`swiftspec.pipeline.worker.stage_main`: ``args`` are its
+            :class:`~swiftspec.engine.worker.WorkerSpec` and pipes), called as ``entry(*args)``.
 
     A forked child leaves through ``os._exit``, so the ``atexit`` handlers the worker registered
     (e.g. removing a shared-memory segment it created) are run here, as a spawned child's
@@ -32,6 +31,6 @@ def run(environ: dict[str, str], entry, spec, *pipes) -> None:
     os.environ.clear()
     os.environ.update(environ)
     try:
-        entry(spec, *pipes)
+        entry(*args)
     finally:
         atexit._run_exitfuncs()

@@ -123,8 +123,7 @@ class WorkerProcesses:
         """Start one worker process running ``target(spec, pipe, *pipes)`` in this process's
         environment (:func:`swiftspec.engine.child_entry.run`); returns the engine's end of its pipe."""
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=child_entry.run, args=(dict(os.environ), target, spec, child, *pipes), name=name,
-                        daemon=True)
+        p = new_process(ctx, target, spec, child, *pipes, name=name)
         with _main_module_hidden():
             p.start()
         child.close()
@@ -340,6 +339,12 @@ def start_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])
     return ctx
+
+
+def new_process(ctx, target, *args, name: str | None = None):
+    """A daemon process of ``ctx`` (:func:`start_context`) that runs ``target(*args)`` in this
+    process's environment as it is now (:func:`swiftspec.engine.child_entry.run`); not started."""
+    return ctx.Process(target=child_entry.run, args=(dict(os.environ), target, *args), name=name, daemon=True)
 
 
 def start_fork_server() -> None:
